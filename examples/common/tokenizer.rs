@@ -1,0 +1,265 @@
+//! Byte-level BPE tokenizer (GPT-2 style), built from a GGUF vocabulary.
+//!
+//! This reproduces the tokenizer of SmolLM2 (`tokenizer.ggml.model = "gpt2"`,
+//! `tokenizer.ggml.pre = "smollm"`), i.e. the Hugging Face pipeline
+//! `Digits(individual_digits) -> ByteLevel(add_prefix_space = false) -> BPE`:
+//!
+//! 1. every numeric character (`\p{N}`) becomes its own pre-token;
+//! 2. the remaining runs are split with the GPT-2 regex
+//!    `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`;
+//! 3. each pre-token's UTF-8 bytes are mapped to the printable "byte-level"
+//!    alphabet (`Ġ` for space, ...) and merged with the ranked BPE merges.
+//!
+//! Special tokens in the input text are *not* recognised: text is always
+//! treated as plain text. [`Tokenizer::decode`] inverts [`Tokenizer::encode`]
+//! exactly for any input.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use fancy_regex::Regex;
+
+use super::gguf::Gguf;
+
+/// The GPT-2 pre-tokenizer pattern.
+pub const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// Tokenizer construction, encoding or decoding failure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenizerError(pub String);
+
+impl fmt::Display for TokenizerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tokenizer: {}", self.0)
+    }
+}
+
+impl std::error::Error for TokenizerError {}
+
+fn err<T>(msg: impl Into<String>) -> Result<T, TokenizerError> {
+    Err(TokenizerError(msg.into()))
+}
+
+/// GPT-2's reversible map from bytes to printable characters.
+fn byte_to_char_table() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    let mut next = 256u32;
+    for b in 0..256u32 {
+        let cp = if printable(b) {
+            b
+        } else {
+            next += 1;
+            next - 1
+        };
+        table[b as usize] = char::from_u32(cp).expect("valid code point");
+    }
+    table
+}
+
+/// A byte-level BPE tokenizer.
+#[derive(Debug, Clone)]
+pub struct Tokenizer {
+    /// Token strings in byte-level alphabet, indexed by id.
+    tokens: Vec<String>,
+    /// Decoded bytes of each token.
+    token_bytes: Vec<Vec<u8>>,
+    /// Byte-level string -> id.
+    ids: HashMap<String, u32>,
+    /// (left id, right id) -> (rank, merged id).
+    merges: HashMap<(u32, u32), (u32, u32)>,
+    /// Id of the single-byte token for each byte.
+    byte_ids: [u32; 256],
+    pre: Regex,
+}
+
+impl Tokenizer {
+    /// Build from the GGUF keys `tokenizer.ggml.tokens` and `tokenizer.ggml.merges`.
+    ///
+    /// Fails if the model is not a GPT-2 style BPE (`tokenizer.ggml.model`) or
+    /// the pre-tokenizer (`tokenizer.ggml.pre`, if present) is not `smollm`.
+    pub fn from_gguf(g: &Gguf) -> Result<Self, TokenizerError> {
+        let e = |e: super::gguf::GgufError| TokenizerError(e.to_string());
+        let model = g.get_str("tokenizer.ggml.model").map_err(e)?;
+        if model != "gpt2" {
+            return err(format!("unsupported tokenizer model {model:?}"));
+        }
+        if let Ok(pre) = g.get_str("tokenizer.ggml.pre") {
+            if pre != "smollm" {
+                return err(format!("unsupported pre-tokenizer {pre:?}"));
+            }
+        }
+        let tokens = g.get_str_array("tokenizer.ggml.tokens").map_err(e)?;
+        let merges = g.get_str_array("tokenizer.ggml.merges").map_err(e)?;
+        Self::new(tokens, merges)
+    }
+
+    /// Build from byte-level token strings (id = index) and merges written as
+    /// `"left right"`, highest priority first.
+    pub fn new<S: AsRef<str>, M: AsRef<str>>(
+        tokens: impl IntoIterator<Item = S>,
+        merges: impl IntoIterator<Item = M>,
+    ) -> Result<Self, TokenizerError> {
+        let b2c = byte_to_char_table();
+        let c2b: HashMap<char, u8> = b2c.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
+
+        let tokens: Vec<String> = tokens.into_iter().map(|s| s.as_ref().to_owned()).collect();
+        if u32::try_from(tokens.len()).is_err() {
+            return err("vocabulary too large");
+        }
+        let mut ids = HashMap::with_capacity(tokens.len());
+        let mut token_bytes = Vec::with_capacity(tokens.len());
+        for (i, t) in tokens.iter().enumerate() {
+            // Later duplicates do not override earlier ids (matches HF behaviour).
+            ids.entry(t.clone()).or_insert(i as u32);
+            // Tokens outside the byte alphabet (e.g. special tokens made of
+            // other characters) decode to their UTF-8 text.
+            let bytes = t
+                .chars()
+                .flat_map(|ch| match c2b.get(&ch) {
+                    Some(&b) => vec![b],
+                    None => ch.to_string().into_bytes(),
+                })
+                .collect();
+            token_bytes.push(bytes);
+        }
+
+        let mut byte_ids = [0u32; 256];
+        for (b, &ch) in b2c.iter().enumerate() {
+            match ids.get(ch.to_string().as_str()) {
+                Some(&id) => byte_ids[b] = id,
+                None => return err(format!("vocabulary lacks the byte token for 0x{b:02x}")),
+            }
+        }
+
+        let mut merge_map = HashMap::new();
+        for (rank, m) in merges.into_iter().enumerate() {
+            let m = m.as_ref();
+            let Some((l, r)) = m.split_once(' ') else {
+                return err(format!("malformed merge {m:?}"));
+            };
+            let (Some(&li), Some(&ri)) = (ids.get(l), ids.get(r)) else {
+                return err(format!("merge {m:?} uses unknown tokens"));
+            };
+            let Some(&merged) = ids.get(&format!("{l}{r}")) else {
+                return err(format!("merge {m:?} produces an unknown token"));
+            };
+            merge_map.entry((li, ri)).or_insert((rank as u32, merged));
+        }
+
+        let pre = Regex::new(GPT2_PATTERN).map_err(|e| TokenizerError(e.to_string()))?;
+        Ok(Tokenizer {
+            tokens,
+            token_bytes,
+            ids,
+            merges: merge_map,
+            byte_ids,
+            pre,
+        })
+    }
+
+    /// Number of tokens in the vocabulary.
+    pub fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// The byte-level string of a token.
+    pub fn token(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).map(String::as_str)
+    }
+
+    /// The id of a byte-level token string.
+    pub fn token_id(&self, s: &str) -> Option<u32> {
+        self.ids.get(s).copied()
+    }
+
+    /// Split `text` into pre-tokens (sub-slices of `text`, in order, covering it).
+    pub fn pre_tokenize<'t>(&self, text: &'t str) -> Result<Vec<&'t str>, TokenizerError> {
+        let mut out = Vec::new();
+        let mut run_start = 0;
+        for (i, ch) in text.char_indices() {
+            if ch.is_numeric() {
+                self.split_regex(&text[run_start..i], &mut out)?;
+                out.push(&text[i..i + ch.len_utf8()]);
+                run_start = i + ch.len_utf8();
+            }
+        }
+        self.split_regex(&text[run_start..], &mut out)?;
+        Ok(out)
+    }
+
+    fn split_regex<'t>(&self, s: &'t str, out: &mut Vec<&'t str>) -> Result<(), TokenizerError> {
+        let mut last = 0;
+        for m in self.pre.find_iter(s) {
+            let m = m.map_err(|e| TokenizerError(e.to_string()))?;
+            // The pattern matches every character class, so there are no gaps;
+            // keep any (impossible) gap anyway so that decoding stays exact.
+            if m.start() > last {
+                out.push(&s[last..m.start()]);
+            }
+            out.push(m.as_str());
+            last = m.end();
+        }
+        if last < s.len() {
+            out.push(&s[last..]);
+        }
+        Ok(())
+    }
+
+    /// BPE-merge one pre-token's bytes into ids, appending to `out`.
+    fn bpe(&self, piece: &str, out: &mut Vec<u32>) {
+        let mut syms: Vec<u32> = piece.bytes().map(|b| self.byte_ids[b as usize]).collect();
+        loop {
+            // Leftmost occurrence of the best-ranked mergeable pair.
+            let best = syms
+                .windows(2)
+                .enumerate()
+                .filter_map(|(i, w)| self.merges.get(&(w[0], w[1])).map(|&(r, m)| (r, i, m)))
+                .min_by_key(|&(r, i, _)| (r, i));
+            match best {
+                Some((_, i, merged)) => {
+                    syms[i] = merged;
+                    syms.remove(i + 1);
+                }
+                None => break,
+            }
+        }
+        out.extend_from_slice(&syms);
+    }
+
+    /// Encode text to token ids (no BOS/EOS, no special-token parsing).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let mut out = Vec::with_capacity(text.len() / 3);
+        let mut cache: HashMap<&str, (usize, usize)> = HashMap::new();
+        for piece in self.pre_tokenize(text)? {
+            if let Some(&(start, len)) = cache.get(piece) {
+                out.extend_from_within(start..start + len);
+                continue;
+            }
+            let start = out.len();
+            self.bpe(piece, &mut out);
+            cache.insert(piece, (start, out.len() - start));
+        }
+        Ok(out)
+    }
+
+    /// The bytes a sequence of ids stands for.
+    pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>, TokenizerError> {
+        let mut out = Vec::new();
+        for &id in ids {
+            match self.token_bytes.get(id as usize) {
+                Some(b) => out.extend_from_slice(b),
+                None => return err(format!("token id {id} out of range")),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Decode ids to text; fails if the bytes are not valid UTF-8 (e.g. a
+    /// sequence cut inside a multi-byte character).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        String::from_utf8(self.decode_bytes(ids)?)
+            .map_err(|e| TokenizerError(format!("decoded bytes are not UTF-8: {e}")))
+    }
+}

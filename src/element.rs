@@ -1,0 +1,66 @@
+//! The element types kvq accepts: `f32`, `half::f16`, `half::bf16`.
+
+use half::{bf16, f16};
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// A floating-point element of K, V or Q: `f32`, [`f16`] or [`bf16`].
+///
+/// Everything that takes model data is generic over this one trait, so an
+/// engine passes its tensors as they are. Sealed: kvq's kernels are written
+/// for exactly these three.
+pub trait Element: Copy + Send + Sync + 'static + private::Sealed {
+    /// The type's name (`"f32"`, `"f16"`, `"bf16"`).
+    const NAME: &'static str;
+    /// Widen to `f32` (exact for all three).
+    fn to_f32(self) -> f32;
+    /// Narrow from `f32`, rounding to nearest.
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Element for f32 {
+    const NAME: &'static str = "f32";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl Element for f16 {
+    const NAME: &'static str = "f16";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+impl Element for bf16 {
+    const NAME: &'static str = "bf16";
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+/// Widen a slice into `out` (cleared first).
+pub(crate) fn widen_into<T: Element>(x: &[T], out: &mut Vec<f32>) {
+    out.clear();
+    out.extend(x.iter().map(|v| v.to_f32()));
+}

@@ -1,0 +1,167 @@
+//! The portable kernels: plain Rust, no `unsafe`, any CPU.
+//!
+//! Each code row is unpacked once into a small buffer and used by every
+//! query that shares the KV head (GQA); scales are applied per group, never
+//! to a dequantized copy of the cache. Callers (the safe wrappers in
+//! [`super`]) have checked all lengths.
+
+use crate::pack;
+use crate::scheme::Axis;
+use crate::store::PackedHead;
+
+pub(crate) fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+    let l = head.layout();
+    let hd = l.head_dim();
+    let rb = l.row_bytes();
+    let bits = l.scheme().bits();
+    let t_all = head.tokens();
+    let nq = q.len() / hd;
+    let mut codes = vec![0u8; hd];
+    let mut cf = vec![0f32; hd];
+    match l.scheme().axis() {
+        Axis::PerToken => {
+            let gpr = l.groups_per_row();
+            let cpg = l.channels_per_group();
+            // Σ q over each group, once per call.
+            let qsum: Vec<f32> = q.chunks_exact(cpg).map(|g| g.iter().sum()).collect();
+            let mut sc = vec![0f32; gpr];
+            let mut ze = vec![0f32; gpr];
+            for t in 0..t_all {
+                pack::unpack(&head.codes[t * rb..(t + 1) * rb], bits, &mut codes);
+                widen(&codes, &mut cf);
+                head.params_into(t, &mut sc, &mut ze);
+                for i in 0..nq {
+                    let qi = &q[i * hd..(i + 1) * hd];
+                    let mut acc = 0f32;
+                    for g in 0..gpr {
+                        let r = g * cpg..(g + 1) * cpg;
+                        acc += sc[g] * dot(&qi[r.clone()], &cf[r]) + ze[g] * qsum[i * gpr + g];
+                    }
+                    out[i * t_all + t] = acc;
+                }
+            }
+        }
+        Axis::PerChannel => {
+            let g = l.group_len();
+            let mut sc = vec![0f32; hd];
+            let mut ze = vec![0f32; hd];
+            let mut qs = vec![0f32; nq * hd];
+            let mut bias = vec![0f32; nq];
+            for k in 0..t_all.div_ceil(g) {
+                head.params_into(k, &mut sc, &mut ze);
+                // Fold the block's channel scales into the queries.
+                for i in 0..nq {
+                    let qi = &q[i * hd..(i + 1) * hd];
+                    for c in 0..hd {
+                        qs[i * hd + c] = qi[c] * sc[c];
+                    }
+                    bias[i] = dot(qi, &ze);
+                }
+                for t in k * g..((k + 1) * g).min(t_all) {
+                    pack::unpack(&head.codes[t * rb..(t + 1) * rb], bits, &mut codes);
+                    widen(&codes, &mut cf);
+                    for i in 0..nq {
+                        out[i * t_all + t] = dot(&qs[i * hd..(i + 1) * hd], &cf) + bias[i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+    let l = head.layout();
+    let hd = l.head_dim();
+    let rb = l.row_bytes();
+    let bits = l.scheme().bits();
+    let t_all = head.tokens();
+    let nq = out.len() / hd;
+    let mut codes = vec![0u8; hd];
+    let mut cf = vec![0f32; hd];
+    let mut acc = vec![0f32; nq * hd];
+    match l.scheme().axis() {
+        Axis::PerToken => {
+            let gpr = l.groups_per_row();
+            let cpg = l.channels_per_group();
+            let mut sc = vec![0f32; gpr];
+            let mut ze = vec![0f32; gpr];
+            let mut zacc = vec![0f32; nq * gpr];
+            for t in 0..t_all {
+                pack::unpack(&head.codes[t * rb..(t + 1) * rb], bits, &mut codes);
+                widen(&codes, &mut cf);
+                head.params_into(t, &mut sc, &mut ze);
+                for i in 0..nq {
+                    let pt = p[i * t_all + t];
+                    let a = &mut acc[i * hd..(i + 1) * hd];
+                    for g in 0..gpr {
+                        axpy(pt * sc[g], &cf[g * cpg..(g + 1) * cpg], &mut a[g * cpg..(g + 1) * cpg]);
+                        zacc[i * gpr + g] += pt * ze[g];
+                    }
+                }
+            }
+            for i in 0..nq {
+                for c in 0..hd {
+                    out[i * hd + c] += acc[i * hd + c] + zacc[i * gpr + c / cpg];
+                }
+            }
+        }
+        Axis::PerChannel => {
+            let g = l.group_len();
+            let mut sc = vec![0f32; hd];
+            let mut ze = vec![0f32; hd];
+            for k in 0..t_all.div_ceil(g) {
+                acc.fill(0.0);
+                let mut psum = vec![0f32; nq];
+                for t in k * g..((k + 1) * g).min(t_all) {
+                    pack::unpack(&head.codes[t * rb..(t + 1) * rb], bits, &mut codes);
+                    widen(&codes, &mut cf);
+                    for i in 0..nq {
+                        let pt = p[i * t_all + t];
+                        psum[i] += pt;
+                        axpy(pt, &cf, &mut acc[i * hd..(i + 1) * hd]);
+                    }
+                }
+                head.params_into(k, &mut sc, &mut ze);
+                for i in 0..nq {
+                    for c in 0..hd {
+                        out[i * hd + c] += sc[c] * acc[i * hd + c] + ze[c] * psum[i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[inline]
+fn widen(codes: &[u8], out: &mut [f32]) {
+    for (o, &c) in out.iter_mut().zip(codes) {
+        *o = c as f32;
+    }
+}
+
+/// Dot product with 8 independent accumulators (lets the compiler
+/// vectorize without reassociation licence).
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, ar) = a.split_at(a.len() / 8 * 8);
+    let (bc, br) = b.split_at(ac.len());
+    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y;
+    }
+    s
+}
+
+/// `y += a·x`.
+#[inline]
+pub(crate) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}

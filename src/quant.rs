@@ -1,0 +1,426 @@
+//! The [`KvQuantizer`] trait and the uniform integer quantizer.
+//!
+//! # The math
+//!
+//! Every stored element is `x̂ = scale·code + zero`, with `code` an unsigned
+//! integer of `bits` bits and one `(scale, zero)` per group.
+//!
+//! * **Asymmetric**: `zero = ⌊min⌋_fmt` (the group minimum rounded *down*
+//!   into the scale format), `scale = ⌈(max − zero)/(2^bits − 1)⌉_fmt`
+//!   (rounded *up*), `code = clamp(round((x − zero)/scale), 0, 2^bits − 1)`.
+//! * **Symmetric**: `scale = ⌈absmax/(2^(bits−1) − 1)⌉_fmt`,
+//!   `c = clamp(round(x/scale), −(2^(bits−1)−1), 2^(bits−1)−1)`, stored as
+//!   `code = c + 2^(bits−1)`; the zero is implied, `zero = −scale·2^(bits−1)`.
+//!
+//! Quantization uses the scale and zero **as stored** (after rounding to the
+//! scale format), so dequantization and the fused kernels see exactly the
+//! numbers the quantizer assumed. Because the scale is rounded up and the
+//! zero down, every element of the group lies inside the grid: the error of
+//! each element is at most **half a step**, `scale/2`, plus the f32 rounding
+//! of evaluating `scale·code + zero` (a few ulps of the element) — the scale
+//! format's rounding only makes the step slightly larger, never leaves an
+//! element outside the grid.
+//!
+//! A group whose values are all equal has `scale = 0` and reconstructs
+//! exactly when its value is representable in the scale format (always for
+//! f32 scales, and for 0); otherwise its error is below `ulp_fmt(value) /
+//! (2^bits − 1) / 2`.
+//!
+//! Non-finite input (NaN, ±inf) is rejected with [`Error::NonFinite`]
+//! naming token, head and channel; a group whose scale or zero falls outside
+//! the scale format's range (|x| beyond 65504 with f16 scales) is rejected
+//! with [`Error::ScaleOverflow`]. In both cases nothing is produced.
+
+use crate::element::{widen_into, Element};
+use crate::error::{Error, Result};
+use crate::scheme::{Axis, Layout, Mode, QuantScheme, ScaleFormat};
+use crate::store::PackedBlock;
+
+/// A quantizer of K or V blocks `[tokens, n_kv_heads, head_dim]`.
+///
+/// One trait for every kind of quantizer (uniform integer today; rotations,
+/// codebooks and fp8 later), so that caches, metrics and the planner take
+/// any of them.
+pub trait KvQuantizer {
+    /// The packed form this quantizer produces.
+    type Packed;
+
+    /// KV heads of the blocks it takes.
+    fn n_kv_heads(&self) -> usize;
+    /// Channels per head.
+    fn head_dim(&self) -> usize;
+    /// Bits per element including scale/zero overhead.
+    fn effective_bits(&self) -> f64;
+    /// A short name for tables.
+    fn label(&self) -> String;
+
+    /// Quantize `tokens` tokens of `x`, laid out `[tokens, n_kv_heads,
+    /// head_dim]` row-major.
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `x.len() != tokens·n_kv_heads·head_dim`,
+    /// [`Error::NonFinite`] for NaN/inf input, [`Error::ScaleOverflow`] when
+    /// a scale does not fit its format.
+    fn quantize<T: Element>(&self, x: &[T], tokens: usize) -> Result<Self::Packed>;
+
+    /// Dequantize into `out`, `[tokens, n_kv_heads, head_dim]` row-major.
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `out` has the wrong length,
+    /// [`Error::SchemeShape`] when `packed` was made for another layout.
+    fn dequantize(&self, packed: &Self::Packed, out: &mut [f32]) -> Result<()>;
+
+    /// Quantize then dequantize: what the cache will hand to attention.
+    ///
+    /// # Errors
+    /// As [`quantize`](Self::quantize).
+    fn roundtrip<T: Element>(&self, x: &[T], tokens: usize) -> Result<Vec<f32>> {
+        let p = self.quantize(x, tokens)?;
+        let mut out = vec![0.0; tokens * self.n_kv_heads() * self.head_dim()];
+        self.dequantize(&p, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// The uniform integer quantizer of a [`QuantScheme`] (any bits, axis,
+/// group, mode and scale format).
+///
+/// # Example: quantize a key block per-channel
+/// ```
+/// use kvq::{Axis, Group, KvQuantizer, QuantScheme, UniformQuantizer};
+/// let scheme = QuantScheme::new(4, Axis::PerChannel, Group::Size(32))?;
+/// let q = UniformQuantizer::new(scheme, 2, 64)?; // 2 KV heads, head_dim 64
+/// let keys: Vec<f32> = (0..32 * 2 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
+/// let packed = q.quantize(&keys, 32)?;
+/// assert_eq!(packed.bytes(), scheme.layout(2, 64)?.bytes(32));
+/// let back = q.roundtrip(&keys, 32)?;
+/// let worst = keys.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+/// assert!(worst < 2.0 / 15.0 / 2.0 + 1e-3); // half a step of a range-2 group
+/// # Ok::<(), kvq::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct UniformQuantizer {
+    layout: Layout,
+}
+
+impl UniformQuantizer {
+    /// A quantizer of `scheme` for blocks with this shape.
+    ///
+    /// # Errors
+    /// As [`QuantScheme::layout`].
+    pub fn new(scheme: QuantScheme, n_kv_heads: usize, head_dim: usize) -> Result<Self> {
+        Ok(UniformQuantizer {
+            layout: scheme.layout(n_kv_heads, head_dim)?,
+        })
+    }
+    /// From a layout.
+    pub fn from_layout(layout: Layout) -> Self {
+        UniformQuantizer { layout }
+    }
+    /// The layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+}
+
+impl KvQuantizer for UniformQuantizer {
+    type Packed = PackedBlock;
+
+    fn n_kv_heads(&self) -> usize {
+        self.layout.n_kv_heads()
+    }
+    fn head_dim(&self) -> usize {
+        self.layout.head_dim()
+    }
+    fn effective_bits(&self) -> f64 {
+        self.layout.effective_bits()
+    }
+    fn label(&self) -> String {
+        self.layout.scheme().label()
+    }
+
+    fn quantize<T: Element>(&self, x: &[T], tokens: usize) -> Result<PackedBlock> {
+        let l = &self.layout;
+        let width = l.n_kv_heads() * l.head_dim();
+        check_len("quantize", "values", tokens * width, x.len())?;
+        let mut xf = Vec::new();
+        widen_into(x, &mut xf);
+        check_finite("quantize", &xf, l.n_kv_heads(), l.head_dim(), 0)?;
+        let mut block = PackedBlock::zeroed(*l, tokens);
+        match l.scheme().axis() {
+            Axis::PerToken => {
+                let mut codes = vec![0u8; l.n_kv_heads() * l.row_bytes()];
+                let mut params = vec![0u8; l.param_bytes(1)];
+                for t in 0..tokens {
+                    quantize_token(
+                        l,
+                        &xf[t * width..(t + 1) * width],
+                        t,
+                        &mut codes,
+                        &mut params,
+                    )?;
+                    block.put_token(t, &codes, &params);
+                }
+            }
+            Axis::PerChannel => {
+                let g = l.group_len();
+                let mut t0 = 0;
+                while t0 < tokens {
+                    let tb = g.min(tokens - t0);
+                    let rows = &xf[t0 * width..(t0 + tb) * width];
+                    for h in 0..l.n_kv_heads() {
+                        let (codes, params) = block.channel_block_mut(h, t0 / g, tb);
+                        quantize_channel_block(l, rows, tb, h, t0, codes, params)?;
+                    }
+                    t0 += tb;
+                }
+            }
+        }
+        Ok(block)
+    }
+
+    fn dequantize(&self, packed: &PackedBlock, out: &mut [f32]) -> Result<()> {
+        if packed.layout() != &self.layout {
+            return Err(Error::SchemeShape {
+                op: "dequantize",
+                what: "packed block was made with another scheme or shape".into(),
+            });
+        }
+        packed.dequantize_into(out)
+    }
+}
+
+pub(crate) fn check_len(
+    op: &'static str,
+    what: &'static str,
+    expected: usize,
+    got: usize,
+) -> Result<()> {
+    if expected != got {
+        return Err(Error::Length {
+            op,
+            what,
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
+/// First non-finite element of token-major `x` as an error.
+pub(crate) fn check_finite(
+    op: &'static str,
+    x: &[f32],
+    n_heads: usize,
+    head_dim: usize,
+    token0: usize,
+) -> Result<()> {
+    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+        let width = n_heads * head_dim;
+        return Err(Error::NonFinite {
+            op,
+            token: token0 + i / width,
+            head: (i % width) / head_dim,
+            channel: i % head_dim,
+            value: x[i],
+        });
+    }
+    Ok(())
+}
+
+/// `(scale, zero)` of a group as stored, or which one overflowed.
+#[inline]
+pub(crate) fn group_params(
+    scheme: &QuantScheme,
+    min: f32,
+    max: f32,
+) -> std::result::Result<(f32, f32), (&'static str, f32)> {
+    let fmt = scheme.scale_format();
+    let bits = scheme.bits() as i32;
+    match scheme.mode() {
+        Mode::Asymmetric => {
+            let zero = fmt.round_down(min as f64);
+            if !zero.is_finite() {
+                return Err(("zero", min));
+            }
+            let levels = ((1u32 << bits) - 1) as f64;
+            let scale = fmt.round_up((max as f64 - zero as f64) / levels);
+            if !scale.is_finite() {
+                return Err(("scale", ((max as f64 - zero as f64) / levels) as f32));
+            }
+            Ok((scale, zero))
+        }
+        Mode::Symmetric => {
+            let absmax = min.abs().max(max.abs()) as f64;
+            let qmax = ((1u32 << (bits - 1)) - 1) as f64;
+            let scale = fmt.round_up(absmax / qmax);
+            let zero = -scale * (1u32 << (bits - 1)) as f32;
+            if !scale.is_finite() || !zero.is_finite() {
+                return Err(("scale", (absmax / qmax) as f32));
+            }
+            Ok((scale, zero))
+        }
+    }
+}
+
+/// The code of `x` given stored `(scale, zero)`: nearest grid point.
+#[inline(always)]
+pub(crate) fn code_of(x: f32, inv_scale: f32, zero: f32, max_code: f32) -> u8 {
+    ((x - zero) * inv_scale).round().clamp(0.0, max_code) as u8
+}
+
+#[inline]
+pub(crate) fn inv(scale: f32) -> f32 {
+    if scale > 0.0 {
+        1.0 / scale
+    } else {
+        0.0
+    }
+}
+
+/// Quantize one token (all heads; `x` is `[n_kv_heads·head_dim]`, finite).
+/// Writes `n_kv_heads` code rows (head-major) into `codes` and the token's
+/// params into `params`: per head `[scales…][zeros…]` (symmetric: scales
+/// only), or one shared set for `Group::Vector`.
+pub(crate) fn quantize_token(
+    l: &Layout,
+    x: &[f32],
+    token: usize,
+    codes: &mut [u8],
+    params: &mut [u8],
+) -> Result<()> {
+    let s = l.scheme();
+    let fmt = s.scale_format();
+    let fb = fmt.bytes();
+    let hd = l.head_dim();
+    let gl = l.channels_per_group();
+    let max_code = ((1u32 << s.bits()) - 1) as f32;
+    let mut buf = [0u8; 4096];
+    let mut heap;
+    let tmp: &mut [u8] = if hd <= buf.len() {
+        &mut buf[..hd]
+    } else {
+        heap = vec![0u8; hd];
+        &mut heap[..]
+    };
+    let sym = s.mode() == Mode::Symmetric;
+    if l.shared_params() {
+        let (mn, mx) = min_max(x);
+        let (scale, zero) = group_params(s, mn, mx).map_err(|(what, value)| {
+            overflow(fmt, what, value, token, 0, 0)
+        })?;
+        fmt.write(scale, &mut params[..fb]);
+        if !sym {
+            fmt.write(zero, &mut params[fb..2 * fb]);
+        }
+        let is = inv(scale);
+        for h in 0..l.n_kv_heads() {
+            for (c, v) in tmp.iter_mut().zip(&x[h * hd..(h + 1) * hd]) {
+                *c = code_of(*v, is, zero, max_code);
+            }
+            let rb = l.row_bytes();
+            crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
+        }
+        return Ok(());
+    }
+    let gpr = l.groups_per_row();
+    let per_head = gpr * s.param_bytes();
+    for h in 0..l.n_kv_heads() {
+        let xh = &x[h * hd..(h + 1) * hd];
+        let ph = &mut params[h * per_head..(h + 1) * per_head];
+        for g in 0..gpr {
+            let xs = &xh[g * gl..(g + 1) * gl];
+            let (mn, mx) = min_max(xs);
+            let (scale, zero) = group_params(s, mn, mx)
+                .map_err(|(what, value)| overflow(fmt, what, value, token, h, g))?;
+            fmt.write(scale, &mut ph[g * fb..(g + 1) * fb]);
+            if !sym {
+                fmt.write(zero, &mut ph[(gpr + g) * fb..(gpr + g + 1) * fb]);
+            }
+            let is = inv(scale);
+            for (c, v) in tmp[g * gl..(g + 1) * gl].iter_mut().zip(xs) {
+                *c = code_of(*v, is, zero, max_code);
+            }
+        }
+        let rb = l.row_bytes();
+        crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
+    }
+    Ok(())
+}
+
+/// Quantize one per-channel block of head `h`: `rows` is `[tb, n_kv·hd]`
+/// token-major (finite). Writes `tb` code rows and `[scales(hd)][zeros(hd)]`.
+pub(crate) fn quantize_channel_block(
+    l: &Layout,
+    rows: &[f32],
+    tb: usize,
+    h: usize,
+    token0: usize,
+    codes: &mut [u8],
+    params: &mut [u8],
+) -> Result<()> {
+    let s = l.scheme();
+    let fmt = s.scale_format();
+    let fb = fmt.bytes();
+    let hd = l.head_dim();
+    let width = l.n_kv_heads() * hd;
+    let max_code = ((1u32 << s.bits()) - 1) as f32;
+    let sym = s.mode() == Mode::Symmetric;
+    let mut mins = vec![f32::INFINITY; hd];
+    let mut maxs = vec![f32::NEG_INFINITY; hd];
+    for t in 0..tb {
+        let r = &rows[t * width + h * hd..t * width + (h + 1) * hd];
+        for c in 0..hd {
+            mins[c] = mins[c].min(r[c]);
+            maxs[c] = maxs[c].max(r[c]);
+        }
+    }
+    let mut inv_s = vec![0f32; hd];
+    let mut zeros = vec![0f32; hd];
+    for c in 0..hd {
+        let (scale, zero) = group_params(s, mins[c], maxs[c])
+            .map_err(|(what, value)| overflow(fmt, what, value, token0, h, c))?;
+        fmt.write(scale, &mut params[c * fb..(c + 1) * fb]);
+        if !sym {
+            fmt.write(zero, &mut params[(hd + c) * fb..(hd + c + 1) * fb]);
+        }
+        inv_s[c] = inv(scale);
+        zeros[c] = zero;
+    }
+    let rb = l.row_bytes();
+    let mut tmp = vec![0u8; hd];
+    for t in 0..tb {
+        let r = &rows[t * width + h * hd..t * width + (h + 1) * hd];
+        for c in 0..hd {
+            tmp[c] = code_of(r[c], inv_s[c], zeros[c], max_code);
+        }
+        crate::pack::pack(&tmp, s.bits(), &mut codes[t * rb..(t + 1) * rb]);
+    }
+    Ok(())
+}
+
+fn overflow(
+    fmt: ScaleFormat,
+    what: &'static str,
+    value: f32,
+    token: usize,
+    head: usize,
+    group: usize,
+) -> Error {
+    Error::ScaleOverflow {
+        op: "quantize",
+        what,
+        value,
+        format: fmt.name(),
+        token,
+        head,
+        group,
+    }
+}
+
+#[inline]
+fn min_max(x: &[f32]) -> (f32, f32) {
+    x.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
+        (a.min(v), b.max(v))
+    })
+}

@@ -1,0 +1,630 @@
+//! Quantization schemes and their exact memory accounting.
+//!
+//! A [`QuantScheme`] says *how* to quantize (bits, grouping axis, group size,
+//! symmetric or asymmetric, scale format). Bound to a shape
+//! (`n_kv_heads`, `head_dim`) it becomes a [`Layout`], which knows how many
+//! bytes every part of the packed storage takes. Both are validated when they
+//! are made, so everything downstream may trust them.
+
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+
+/// The axis along which a quantization group runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Axis {
+    /// A group is a run of channels of one token (values, and llama.cpp's
+    /// block formats). Groups are made as each token arrives.
+    PerToken,
+    /// A group is a run of tokens of one channel (KIVI's keys). Isolates the
+    /// outlier channels that keys have. Groups are made once a whole block of
+    /// tokens is there.
+    PerChannel,
+}
+
+/// How many elements share one scale (and zero).
+///
+/// The group always runs *along the axis*: per-token groups split a token's
+/// channels, per-channel groups split a channel's tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Group {
+    /// `n` elements, `n` a positive multiple of 8. Per-token: `n` must divide
+    /// `head_dim`. Per-channel: `n` tokens per block.
+    Size(usize),
+    /// One group per head (`head_dim` channels). Per-token only.
+    Head,
+    /// One group for the whole key (or value) vector of a token: all KV heads
+    /// of the layer together, `n_kv_heads * head_dim` channels — the GPT-2
+    /// "whole vector" case of the study. Per-token only.
+    Vector,
+}
+
+/// Symmetric or asymmetric quantization.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// `x̂ = scale·code + zero` with unsigned codes `0..=2^bits-1`,
+    /// `zero ≤ min`, `scale = (max - zero) / (2^bits - 1)`. Stores scale and
+    /// zero.
+    Asymmetric,
+    /// `x̂ = scale·c` with signed `c` in `-(2^(bits-1)-1) ..= 2^(bits-1)-1`,
+    /// `scale = absmax / (2^(bits-1)-1)`; stored as the unsigned code
+    /// `c + 2^(bits-1)`, so `x̂ = scale·code + zero` with the implied
+    /// `zero = -scale·2^(bits-1)`. Stores the scale only; needs `bits ≥ 2`.
+    Symmetric,
+}
+
+/// The number format scales and zeros are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScaleFormat {
+    /// IEEE binary16 (2 bytes). Range ±65504; the default.
+    F16,
+    /// bfloat16 (2 bytes). f32's range, 8 bits of precision.
+    Bf16,
+    /// IEEE binary32 (4 bytes).
+    F32,
+}
+
+impl ScaleFormat {
+    /// Bytes one stored number takes.
+    pub const fn bytes(self) -> usize {
+        match self {
+            ScaleFormat::F16 | ScaleFormat::Bf16 => 2,
+            ScaleFormat::F32 => 4,
+        }
+    }
+
+    /// The format's name, as used in messages.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ScaleFormat::F16 => "f16",
+            ScaleFormat::Bf16 => "bf16",
+            ScaleFormat::F32 => "f32",
+        }
+    }
+
+    /// Round `x` to the nearest number of this format that is `≥ x`.
+    /// May return `+inf` when `x` is beyond the format's range.
+    pub fn round_up(self, x: f64) -> f32 {
+        let x32 = f64_to_f32_directed(x, true);
+        match self {
+            ScaleFormat::F32 => x32,
+            ScaleFormat::F16 => {
+                let h = f16::from_f32(x32);
+                let h = if h.to_f32() < x32 {
+                    step_f16(h, true)
+                } else {
+                    h
+                };
+                h.to_f32()
+            }
+            ScaleFormat::Bf16 => {
+                let h = bf16::from_f32(x32);
+                let h = if h.to_f32() < x32 {
+                    step_bf16(h, true)
+                } else {
+                    h
+                };
+                h.to_f32()
+            }
+        }
+    }
+
+    /// Round `x` to the nearest number of this format that is `≤ x`.
+    /// May return `-inf` when `x` is beyond the format's range.
+    pub fn round_down(self, x: f64) -> f32 {
+        -self.round_up(-x)
+    }
+
+    /// Write `x` (already representable) as little-endian bytes.
+    #[inline]
+    pub(crate) fn write(self, x: f32, out: &mut [u8]) {
+        match self {
+            ScaleFormat::F16 => out[..2].copy_from_slice(&f16::from_f32(x).to_bits().to_le_bytes()),
+            ScaleFormat::Bf16 => {
+                out[..2].copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes())
+            }
+            ScaleFormat::F32 => out[..4].copy_from_slice(&x.to_bits().to_le_bytes()),
+        }
+    }
+
+    /// Read one stored number.
+    #[inline]
+    pub(crate) fn read(self, b: &[u8]) -> f32 {
+        match self {
+            ScaleFormat::F16 => f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+            ScaleFormat::Bf16 => bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+            ScaleFormat::F32 => f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        }
+    }
+}
+
+/// `x` as f32, rounded toward +inf (`up`) or -inf.
+fn f64_to_f32_directed(x: f64, up: bool) -> f32 {
+    let y = x as f32;
+    if (y as f64) == x || !y.is_finite() && !x.is_finite() {
+        return y;
+    }
+    let below = (y as f64) < x;
+    if below == up {
+        next_f32(y, up)
+    } else {
+        y
+    }
+}
+
+fn next_f32(y: f32, up: bool) -> f32 {
+    if y.is_nan() || (y.is_infinite() && (y > 0.0) == up) {
+        return y;
+    }
+    if y == 0.0 {
+        let tiny = f32::from_bits(1);
+        return if up { tiny } else { -tiny };
+    }
+    let bits = y.to_bits();
+    // Away from zero means +1 on the magnitude bits.
+    let away = (y > 0.0) == up;
+    f32::from_bits(if away { bits + 1 } else { bits - 1 })
+}
+
+fn step_f16(h: f16, up: bool) -> f16 {
+    let v = h.to_f32();
+    if v == 0.0 {
+        return if up {
+            f16::from_bits(1)
+        } else {
+            f16::from_bits(0x8001)
+        };
+    }
+    let away = (v > 0.0) == up;
+    let b = h.to_bits();
+    f16::from_bits(if away { b + 1 } else { b - 1 })
+}
+
+fn step_bf16(h: bf16, up: bool) -> bf16 {
+    let v = h.to_f32();
+    if v == 0.0 {
+        return if up {
+            bf16::from_bits(1)
+        } else {
+            bf16::from_bits(0x8001)
+        };
+    }
+    let away = (v > 0.0) == up;
+    let b = h.to_bits();
+    bf16::from_bits(if away { b + 1 } else { b - 1 })
+}
+
+/// How to quantize one tensor (keys or values) of a layer.
+///
+/// Made with [`QuantScheme::new`] (asymmetric, f16 scale and zero) and
+/// adjusted with [`with_mode`](QuantScheme::with_mode) and
+/// [`with_scale_format`](QuantScheme::with_scale_format). A scheme that
+/// exists is valid; whether it fits a shape is checked by
+/// [`layout`](QuantScheme::layout).
+///
+/// # Example
+/// ```
+/// use kvq::{Axis, Group, QuantScheme};
+/// // The study's best 5.5-bit split: K 6 bits, V 4 bits, f16 scale + zero per 64.
+/// let k = QuantScheme::new(6, Axis::PerToken, Group::Size(64))?;
+/// let v = QuantScheme::new(4, Axis::PerToken, Group::Size(64))?;
+/// let (lk, lv) = (k.layout(12, 64)?, v.layout(12, 64)?);
+/// let bits = (lk.effective_bits() + lv.effective_bits()) / 2.0;
+/// assert_eq!(bits, 5.5);
+/// assert!((16.0 / bits - 2.91).abs() < 0.01);
+/// # Ok::<(), kvq::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QuantScheme {
+    bits: u8,
+    axis: Axis,
+    group: Group,
+    mode: Mode,
+    scale_format: ScaleFormat,
+}
+
+impl QuantScheme {
+    /// An asymmetric scheme with f16 scale and zero.
+    ///
+    /// # Errors
+    /// [`Error::InvalidScheme`] when `bits` is not in `1..=8`, a
+    /// `Group::Size(n)` has `n` zero or not a multiple of 8, or a per-channel
+    /// scheme asks for `Group::Head`/`Group::Vector` (per-channel groups run
+    /// along tokens, so only `Size` means something).
+    pub fn new(bits: u8, axis: Axis, group: Group) -> Result<Self> {
+        if !(1..=8).contains(&bits) {
+            return Err(Error::InvalidScheme {
+                what: format!("bits must be in 1..=8, got {bits}"),
+            });
+        }
+        match (axis, group) {
+            (_, Group::Size(n)) if n == 0 || n % 8 != 0 => {
+                return Err(Error::InvalidScheme {
+                    what: format!("group size must be a positive multiple of 8, got {n}"),
+                })
+            }
+            (Axis::PerChannel, Group::Head | Group::Vector) => {
+                return Err(Error::InvalidScheme {
+                    what: format!(
+                        "per-channel groups run along tokens: use Group::Size(tokens), not {group:?}"
+                    ),
+                })
+            }
+            _ => {}
+        }
+        Ok(QuantScheme {
+            bits,
+            axis,
+            group,
+            mode: Mode::Asymmetric,
+            scale_format: ScaleFormat::F16,
+        })
+    }
+
+    /// The same scheme with another [`Mode`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidScheme`] for `Mode::Symmetric` with `bits == 1`
+    /// (a symmetric grid needs at least the levels −1, 0, +1).
+    pub fn with_mode(mut self, mode: Mode) -> Result<Self> {
+        if mode == Mode::Symmetric && self.bits < 2 {
+            return Err(Error::InvalidScheme {
+                what: "symmetric quantization needs bits >= 2, got 1".into(),
+            });
+        }
+        self.mode = mode;
+        Ok(self)
+    }
+
+    /// The same scheme with scales (and zeros) stored in `format`.
+    pub fn with_scale_format(mut self, format: ScaleFormat) -> Self {
+        self.scale_format = format;
+        self
+    }
+
+    /// Bits per code, `1..=8`.
+    pub fn bits(&self) -> u8 {
+        self.bits
+    }
+    /// Grouping axis.
+    pub fn axis(&self) -> Axis {
+        self.axis
+    }
+    /// Group size.
+    pub fn group(&self) -> Group {
+        self.group
+    }
+    /// Symmetric or asymmetric.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+    /// Format of stored scales and zeros.
+    pub fn scale_format(&self) -> ScaleFormat {
+        self.scale_format
+    }
+
+    /// Bind the scheme to a layer's shape.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when `n_kv_heads` is 0 or `head_dim` is not a
+    /// positive multiple of 8; [`Error::SchemeShape`] when a per-token
+    /// `Group::Size(n)` does not divide `head_dim`.
+    pub fn layout(&self, n_kv_heads: usize, head_dim: usize) -> Result<Layout> {
+        Layout::new(*self, n_kv_heads, head_dim)
+    }
+
+    /// A short, stable name, e.g. `k4-pc32-asym-f16`, `v8-pt64-sym-f16`,
+    /// `4b/token/head`.
+    pub fn label(&self) -> String {
+        let axis = match self.axis {
+            Axis::PerToken => "pt",
+            Axis::PerChannel => "pc",
+        };
+        let group = match self.group {
+            Group::Size(n) => n.to_string(),
+            Group::Head => "head".into(),
+            Group::Vector => "vec".into(),
+        };
+        let mode = match self.mode {
+            Mode::Asymmetric => "asym",
+            Mode::Symmetric => "sym",
+        };
+        format!(
+            "{}b-{axis}{group}-{mode}-{}",
+            self.bits,
+            self.scale_format.name()
+        )
+    }
+
+    /// Numbers stored per group: 2 (scale, zero) asymmetric, 1 symmetric.
+    pub fn params_per_group(&self) -> usize {
+        match self.mode {
+            Mode::Asymmetric => 2,
+            Mode::Symmetric => 1,
+        }
+    }
+
+    /// Bytes of scale (+ zero) per group.
+    pub fn param_bytes(&self) -> usize {
+        self.params_per_group() * self.scale_format.bytes()
+    }
+}
+
+/// Presets with the bit budget of formats people already know.
+///
+/// These match each format's bits, grouping and scale overhead (and so its
+/// effective bits and memory); the byte layout is kvq's own
+/// (see `docs/FORMAT.md`), not a copy of the original.
+pub mod presets {
+    use super::*;
+
+    fn s(bits: u8, axis: Axis, group: Group, mode: Mode) -> QuantScheme {
+        QuantScheme::new(bits, axis, group)
+            .and_then(|q| q.with_mode(mode))
+            .expect("preset schemes are valid")
+    }
+
+    /// KIVI (2 or 4 bits): keys per-channel in blocks of 32 tokens, values
+    /// per-token in groups of 32 channels, f16 scale and zero. Returns
+    /// `(keys, values)`. Pair it with a residual window of 128 tokens.
+    ///
+    /// # Errors
+    /// [`Error::InvalidScheme`] for bits outside `1..=8`.
+    pub fn kivi(bits: u8) -> Result<(QuantScheme, QuantScheme)> {
+        Ok((
+            QuantScheme::new(bits, Axis::PerChannel, Group::Size(32))?,
+            QuantScheme::new(bits, Axis::PerToken, Group::Size(32))?,
+        ))
+    }
+    /// llama.cpp `q8_0`: symmetric 8-bit, f16 scale per 32 (8.5 bits).
+    pub fn q8_0() -> QuantScheme {
+        s(8, Axis::PerToken, Group::Size(32), Mode::Symmetric)
+    }
+    /// llama.cpp `q4_0`: symmetric 4-bit, f16 scale per 32 (4.5 bits).
+    pub fn q4_0() -> QuantScheme {
+        s(4, Axis::PerToken, Group::Size(32), Mode::Symmetric)
+    }
+    /// llama.cpp `q4_1`: asymmetric 4-bit, f16 scale and min per 32 (5 bits).
+    pub fn q4_1() -> QuantScheme {
+        s(4, Axis::PerToken, Group::Size(32), Mode::Asymmetric)
+    }
+    /// llama.cpp `q5_0`: symmetric 5-bit, f16 scale per 32 (5.5 bits).
+    pub fn q5_0() -> QuantScheme {
+        s(5, Axis::PerToken, Group::Size(32), Mode::Symmetric)
+    }
+    /// llama.cpp `q5_1`: asymmetric 5-bit, f16 scale and min per 32 (6 bits).
+    pub fn q5_1() -> QuantScheme {
+        s(5, Axis::PerToken, Group::Size(32), Mode::Asymmetric)
+    }
+    /// HF quanto `int4` as used by transformers' `QuantizedCache`: asymmetric
+    /// 4-bit, groups of 64 channels per token.
+    pub fn quanto_int4() -> QuantScheme {
+        s(4, Axis::PerToken, Group::Size(64), Mode::Asymmetric)
+    }
+    /// HF quanto `int2`: asymmetric 2-bit, groups of 64 channels per token.
+    pub fn quanto_int2() -> QuantScheme {
+        s(2, Axis::PerToken, Group::Size(64), Mode::Asymmetric)
+    }
+}
+
+/// A [`QuantScheme`] bound to a layer shape: every size in the packed storage.
+///
+/// Storage is head-major. For each KV head, the *code rows* hold one row of
+/// `head_dim` packed codes per token (`row_bytes()` bytes). The *params* hold
+/// scale (and zero) per group: per-token, `groups_per_row()` groups per head
+/// row; per-channel, `head_dim` groups per block of `block_tokens()` tokens;
+/// `Group::Vector`, one group per token shared by all heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Layout {
+    scheme: QuantScheme,
+    n_kv_heads: usize,
+    head_dim: usize,
+    /// Elements per group (channels per-token, tokens per-channel).
+    group_len: usize,
+}
+
+impl Layout {
+    /// See [`QuantScheme::layout`].
+    ///
+    /// # Errors
+    /// As [`QuantScheme::layout`].
+    pub fn new(scheme: QuantScheme, n_kv_heads: usize, head_dim: usize) -> Result<Self> {
+        check_shape("layout", n_kv_heads, head_dim)?;
+        let group_len = match (scheme.axis, scheme.group) {
+            (Axis::PerToken, Group::Size(n)) => {
+                if head_dim % n != 0 {
+                    return Err(Error::SchemeShape {
+                        op: "layout",
+                        what: format!(
+                            "per-token group of {n} channels does not divide head_dim {head_dim}"
+                        ),
+                    });
+                }
+                n
+            }
+            (Axis::PerToken, Group::Head) => head_dim,
+            (Axis::PerToken, Group::Vector) => n_kv_heads * head_dim,
+            (Axis::PerChannel, Group::Size(n)) => n,
+            (Axis::PerChannel, _) => unreachable!("rejected by QuantScheme::new"),
+        };
+        Ok(Layout {
+            scheme,
+            n_kv_heads,
+            head_dim,
+            group_len,
+        })
+    }
+
+    /// The scheme.
+    pub fn scheme(&self) -> &QuantScheme {
+        &self.scheme
+    }
+    /// KV heads.
+    pub fn n_kv_heads(&self) -> usize {
+        self.n_kv_heads
+    }
+    /// Channels per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// Elements sharing one scale: channels (per-token) or tokens
+    /// (per-channel).
+    pub fn group_len(&self) -> usize {
+        self.group_len
+    }
+    /// Whether scale/zero are shared by all heads of a token
+    /// (`Group::Vector`).
+    pub fn shared_params(&self) -> bool {
+        self.scheme.group == Group::Vector
+    }
+    /// Bytes of packed codes of one head and one token.
+    pub fn row_bytes(&self) -> usize {
+        self.head_dim * self.scheme.bits as usize / 8
+    }
+    /// Per-token: groups in one head row (1 for `Group::Vector`, whose group
+    /// spans all heads). Per-channel: 0.
+    pub fn groups_per_row(&self) -> usize {
+        match self.scheme.axis {
+            Axis::PerToken if self.shared_params() => 1,
+            Axis::PerToken => self.head_dim / self.group_len,
+            Axis::PerChannel => 0,
+        }
+    }
+    /// Channels covered by one group within a head row (per-token).
+    pub fn channels_per_group(&self) -> usize {
+        match self.scheme.axis {
+            Axis::PerToken => self.group_len.min(self.head_dim),
+            Axis::PerChannel => 1,
+        }
+    }
+    /// Per-channel: tokens per block. Per-token: 1.
+    pub fn block_tokens(&self) -> usize {
+        match self.scheme.axis {
+            Axis::PerToken => 1,
+            Axis::PerChannel => self.group_len,
+        }
+    }
+
+    /// Bytes of codes for `tokens` tokens of one head.
+    pub fn head_code_bytes(&self, tokens: usize) -> usize {
+        tokens * self.row_bytes()
+    }
+    /// Bytes of params for `tokens` tokens of one head (per-channel counts
+    /// a partial last block as a whole block; `Group::Vector` counts the
+    /// shared params once, in [`param_bytes`](Self::param_bytes), not here).
+    pub fn head_param_bytes(&self, tokens: usize) -> usize {
+        let pb = self.scheme.param_bytes();
+        match self.scheme.axis {
+            Axis::PerToken if self.shared_params() => 0,
+            Axis::PerToken => tokens * self.groups_per_row() * pb,
+            Axis::PerChannel => tokens.div_ceil(self.group_len) * self.head_dim * pb,
+        }
+    }
+    /// Bytes of all params (scales and zeros) for `tokens` tokens, all heads.
+    pub fn param_bytes(&self, tokens: usize) -> usize {
+        if self.shared_params() {
+            tokens * self.scheme.param_bytes()
+        } else {
+            self.n_kv_heads * self.head_param_bytes(tokens)
+        }
+    }
+    /// Bytes of all codes for `tokens` tokens, all heads.
+    pub fn code_bytes(&self, tokens: usize) -> usize {
+        self.n_kv_heads * self.head_code_bytes(tokens)
+    }
+    /// Total bytes for `tokens` tokens: exactly what a
+    /// [`PackedBlock`](crate::PackedBlock) of that many tokens allocates.
+    pub fn bytes(&self, tokens: usize) -> usize {
+        self.code_bytes(tokens) + self.param_bytes(tokens)
+    }
+    /// Bytes per token for per-token schemes; per-channel, the bytes of one
+    /// full block divided by its tokens (exact when it divides).
+    pub fn bytes_per_token(&self) -> f64 {
+        let t = self.block_tokens();
+        self.bytes(t) as f64 / t as f64
+    }
+    /// Bits per stored element, counting scale/zero overhead:
+    /// `bits + param_bits / group_len`.
+    pub fn effective_bits(&self) -> f64 {
+        self.scheme.bits as f64 + (self.scheme.param_bytes() * 8) as f64 / self.group_len as f64
+    }
+    /// Compression against an f16 cache, `16 / effective_bits`.
+    pub fn compression_vs_f16(&self) -> f64 {
+        16.0 / self.effective_bits()
+    }
+}
+
+/// Shape check shared by every operation that takes `n_kv_heads`/`head_dim`.
+pub(crate) fn check_shape(op: &'static str, n_kv_heads: usize, head_dim: usize) -> Result<()> {
+    if n_kv_heads == 0 {
+        return Err(Error::InvalidShape {
+            op,
+            what: "n_kv_heads must be at least 1, got 0".into(),
+        });
+    }
+    if head_dim == 0 || head_dim % 8 != 0 {
+        return Err(Error::InvalidShape {
+            op,
+            what: format!("head_dim must be a positive multiple of 8, got {head_dim}"),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn study_accounting() {
+        let k = QuantScheme::new(6, Axis::PerToken, Group::Size(64)).unwrap();
+        let v = QuantScheme::new(4, Axis::PerToken, Group::Size(64)).unwrap();
+        let b = (k.layout(12, 64).unwrap().effective_bits()
+            + v.layout(12, 64).unwrap().effective_bits())
+            / 2.0;
+        assert_eq!(b, 5.5);
+        assert!((16.0 / b - 2.909).abs() < 1e-3);
+        let k = QuantScheme::new(4, Axis::PerToken, Group::Size(256)).unwrap();
+        let v = QuantScheme::new(8, Axis::PerToken, Group::Size(256)).unwrap();
+        let b = (k.layout(4, 256).unwrap().effective_bits()
+            + v.layout(4, 256).unwrap().effective_bits())
+            / 2.0;
+        assert_eq!(b, 6.125);
+        assert!((16.0 / b - 2.612).abs() < 1e-3);
+    }
+
+    #[test]
+    fn rejects_bad_schemes() {
+        assert!(QuantScheme::new(0, Axis::PerToken, Group::Head).is_err());
+        assert!(QuantScheme::new(9, Axis::PerToken, Group::Head).is_err());
+        assert!(QuantScheme::new(4, Axis::PerToken, Group::Size(12)).is_err());
+        assert!(QuantScheme::new(4, Axis::PerToken, Group::Size(0)).is_err());
+        assert!(QuantScheme::new(4, Axis::PerChannel, Group::Head).is_err());
+        assert!(QuantScheme::new(1, Axis::PerToken, Group::Head)
+            .unwrap()
+            .with_mode(Mode::Symmetric)
+            .is_err());
+        let s = QuantScheme::new(4, Axis::PerToken, Group::Size(48)).unwrap();
+        let e = s.layout(2, 64).unwrap_err();
+        assert!(e.to_string().contains("48"), "{e}");
+        assert!(s.layout(0, 48).is_err());
+        assert!(s.layout(1, 20).is_err());
+    }
+
+    #[test]
+    fn directed_rounding() {
+        for &x in &[0.1f64, 1e-9, 3.3e-5, 1234.567, 65504.0, 1e-30, 0.0] {
+            for f in [ScaleFormat::F16, ScaleFormat::Bf16, ScaleFormat::F32] {
+                let u = f.round_up(x);
+                let d = f.round_down(x);
+                assert!(u as f64 >= x && d as f64 <= x, "{f:?} {x}: {d} {u}");
+                // representable: a write/read round trip is exact
+                let mut b = [0u8; 4];
+                f.write(u, &mut b);
+                assert_eq!(f.read(&b), u);
+                f.write(d, &mut b);
+                assert_eq!(f.read(&b), d);
+            }
+        }
+        assert!(ScaleFormat::F16.round_up(70000.0).is_infinite());
+    }
+}

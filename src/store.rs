@@ -1,0 +1,439 @@
+//! Packed storage: codes and scales in flat buffers, and views of one head.
+//!
+//! See `docs/FORMAT.md` for the byte layout, and [`Layout`] for its sizes.
+
+use crate::error::{Error, Result};
+use crate::pack;
+use crate::scheme::{Axis, Group, Layout, Mode, QuantScheme, ScaleFormat};
+
+/// A quantized block `[tokens, n_kv_heads, head_dim]`, stored head-major.
+///
+/// * `codes`: for each head, `tokens` rows of [`Layout::row_bytes`] packed
+///   codes (see [`pack`](crate::pack)).
+/// * `params`: per-token, for each head and token, a *param set* of the
+///   row's groups: `[scale_0 … scale_{g-1}][zero_0 … zero_{g-1}]` (zeros
+///   absent when symmetric); `Group::Vector`, one set per token shared by all
+///   heads; per-channel, for each head and block of `group` tokens, a set of
+///   `head_dim` scales then `head_dim` zeros. Numbers are little-endian in the
+///   scheme's [`ScaleFormat`].
+///
+/// `bytes()` is exactly [`Layout::bytes`]`(tokens)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PackedBlock {
+    layout: Layout,
+    tokens: usize,
+    codes: Vec<u8>,
+    params: Vec<u8>,
+}
+
+impl PackedBlock {
+    pub(crate) fn zeroed(layout: Layout, tokens: usize) -> Self {
+        PackedBlock {
+            layout,
+            tokens,
+            codes: vec![0; layout.code_bytes(tokens)],
+            params: vec![0; layout.param_bytes(tokens)],
+        }
+    }
+
+    /// Assemble a block from its two buffers (e.g. read from disk).
+    ///
+    /// # Errors
+    /// [`Error::Length`] when a buffer does not have the layout's size for
+    /// `tokens`; [`Error::Malformed`] when a stored scale or zero is not
+    /// finite or a scale is negative.
+    pub fn from_parts(
+        layout: Layout,
+        tokens: usize,
+        codes: Vec<u8>,
+        params: Vec<u8>,
+    ) -> Result<Self> {
+        let op = "PackedBlock::from_parts";
+        crate::quant::check_len(op, "bytes of codes", layout.code_bytes(tokens), codes.len())?;
+        crate::quant::check_len(op, "bytes of params", layout.param_bytes(tokens), params.len())?;
+        validate_params(op, &layout, &params)?;
+        Ok(PackedBlock {
+            layout,
+            tokens,
+            codes,
+            params,
+        })
+    }
+
+    /// The layout it was made with.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    /// Tokens held.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// All packed codes (head-major).
+    pub fn codes(&self) -> &[u8] {
+        &self.codes
+    }
+    /// All params (scales and zeros).
+    pub fn params(&self) -> &[u8] {
+        &self.params
+    }
+    /// Bytes held: codes plus params. Equals `layout().bytes(tokens())`.
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + self.params.len()
+    }
+
+    /// A view of head `h`, what the kernels take.
+    ///
+    /// # Panics
+    /// If `h >= n_kv_heads` (an index error, like slicing).
+    #[track_caller]
+    pub fn head(&self, h: usize) -> PackedHead<'_> {
+        let l = &self.layout;
+        assert!(h < l.n_kv_heads(), "head {h} out of range ({} heads)", l.n_kv_heads());
+        let cb = l.head_code_bytes(self.tokens);
+        let params = if l.shared_params() {
+            &self.params[..]
+        } else {
+            let pb = l.head_param_bytes(self.tokens);
+            &self.params[h * pb..(h + 1) * pb]
+        };
+        PackedHead {
+            layout: *l,
+            tokens: self.tokens,
+            codes: &self.codes[h * cb..(h + 1) * cb],
+            params,
+        }
+    }
+
+    /// Dequantize into `out`, `[tokens, n_kv_heads, head_dim]` row-major.
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `out` has the wrong length.
+    pub fn dequantize_into(&self, out: &mut [f32]) -> Result<()> {
+        let l = &self.layout;
+        let (nh, hd) = (l.n_kv_heads(), l.head_dim());
+        crate::quant::check_len("dequantize", "output values", self.tokens * nh * hd, out.len())?;
+        let mut tmp = vec![0f32; self.tokens * hd];
+        for h in 0..nh {
+            self.head(h).dequantize_into(&mut tmp);
+            for t in 0..self.tokens {
+                out[(t * nh + h) * hd..(t * nh + h + 1) * hd]
+                    .copy_from_slice(&tmp[t * hd..(t + 1) * hd]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Store token `t` from one token's head-major code rows and params.
+    pub(crate) fn put_token(&mut self, t: usize, codes: &[u8], params: &[u8]) {
+        let l = self.layout;
+        let rb = l.row_bytes();
+        let cb = l.head_code_bytes(self.tokens);
+        for h in 0..l.n_kv_heads() {
+            self.codes[h * cb + t * rb..h * cb + (t + 1) * rb]
+                .copy_from_slice(&codes[h * rb..(h + 1) * rb]);
+        }
+        if l.shared_params() {
+            let pb = l.scheme().param_bytes();
+            self.params[t * pb..(t + 1) * pb].copy_from_slice(params);
+        } else {
+            let per = l.head_param_bytes(1);
+            let hp = l.head_param_bytes(self.tokens);
+            for h in 0..l.n_kv_heads() {
+                self.params[h * hp + t * per..h * hp + (t + 1) * per]
+                    .copy_from_slice(&params[h * per..(h + 1) * per]);
+            }
+        }
+    }
+
+    /// Per-channel: the code rows and param set of block `b` of head `h`
+    /// (`tb` tokens in it).
+    pub(crate) fn channel_block_mut(
+        &mut self,
+        h: usize,
+        b: usize,
+        tb: usize,
+    ) -> (&mut [u8], &mut [u8]) {
+        let l = self.layout;
+        let rb = l.row_bytes();
+        let g = l.group_len();
+        let cb = l.head_code_bytes(self.tokens);
+        let set = l.head_param_bytes(g);
+        let hp = l.head_param_bytes(self.tokens);
+        let codes = &mut self.codes[h * cb + b * g * rb..h * cb + (b * g + tb) * rb];
+        let params = &mut self.params[h * hp + b * set..h * hp + (b + 1) * set];
+        (codes, params)
+    }
+
+    /// Serialize: a 32-byte header, then codes, then params (see
+    /// `docs/FORMAT.md`, "Serialized block").
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_LEN + self.bytes());
+        out.extend_from_slice(&header(&self.layout, self.tokens));
+        out.extend_from_slice(&self.codes);
+        out.extend_from_slice(&self.params);
+        out
+    }
+
+    /// Parse bytes written by [`to_bytes`](Self::to_bytes).
+    ///
+    /// # Errors
+    /// [`Error::Malformed`] for a wrong magic or version, an invalid scheme
+    /// or shape, a length that does not match the header, or non-finite
+    /// params.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let op = "PackedBlock::from_bytes";
+        let bad = |what: String| Error::Malformed { op, what };
+        if bytes.len() < HEADER_LEN {
+            return Err(bad(format!("{} bytes is shorter than the 32-byte header", bytes.len())));
+        }
+        if &bytes[..4] != MAGIC {
+            return Err(bad("magic is not \"KVQB\"".into()));
+        }
+        if bytes[4] != VERSION {
+            return Err(bad(format!("unsupported version {}", bytes[4])));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]) as usize;
+        let bits = bytes[5];
+        let axis = match bytes[6] {
+            0 => Axis::PerToken,
+            1 => Axis::PerChannel,
+            x => return Err(bad(format!("axis byte {x}"))),
+        };
+        let group = match bytes[7] {
+            0 => Group::Size(u32_at(12)),
+            1 => Group::Head,
+            2 => Group::Vector,
+            x => return Err(bad(format!("group byte {x}"))),
+        };
+        let mode = match bytes[8] {
+            0 => Mode::Asymmetric,
+            1 => Mode::Symmetric,
+            x => return Err(bad(format!("mode byte {x}"))),
+        };
+        let fmt = match bytes[9] {
+            0 => ScaleFormat::F16,
+            1 => ScaleFormat::Bf16,
+            2 => ScaleFormat::F32,
+            x => return Err(bad(format!("scale format byte {x}"))),
+        };
+        let scheme = QuantScheme::new(bits, axis, group)
+            .and_then(|s| s.with_mode(mode))
+            .map_err(|e| bad(e.to_string()))?
+            .with_scale_format(fmt);
+        let (nh, hd, tokens) = (u32_at(16), u32_at(20), u32_at(24));
+        let layout = scheme.layout(nh, hd).map_err(|e| bad(e.to_string()))?;
+        let need = layout
+            .n_kv_heads()
+            .checked_mul(layout.head_dim())
+            .and_then(|w| w.checked_mul(tokens))
+            .and_then(|_| HEADER_LEN.checked_add(layout.bytes(tokens)));
+        match need {
+            Some(n) if n == bytes.len() => {}
+            _ => {
+                return Err(bad(format!(
+                    "header says {tokens} tokens of {nh}x{hd}, body has {} bytes",
+                    bytes.len() - HEADER_LEN
+                )))
+            }
+        }
+        let cb = layout.code_bytes(tokens);
+        let codes = bytes[HEADER_LEN..HEADER_LEN + cb].to_vec();
+        let params = bytes[HEADER_LEN + cb..].to_vec();
+        validate_params(op, &layout, &params)?;
+        Ok(PackedBlock {
+            layout,
+            tokens,
+            codes,
+            params,
+        })
+    }
+}
+
+const MAGIC: &[u8; 4] = b"KVQB";
+const VERSION: u8 = 1;
+const HEADER_LEN: usize = 32;
+
+fn header(l: &Layout, tokens: usize) -> [u8; HEADER_LEN] {
+    let s = l.scheme();
+    let mut h = [0u8; HEADER_LEN];
+    h[..4].copy_from_slice(MAGIC);
+    h[4] = VERSION;
+    h[5] = s.bits();
+    h[6] = match s.axis() {
+        Axis::PerToken => 0,
+        Axis::PerChannel => 1,
+    };
+    let (g, n) = match s.group() {
+        Group::Size(n) => (0, n),
+        Group::Head => (1, 0),
+        Group::Vector => (2, 0),
+    };
+    h[7] = g;
+    h[8] = match s.mode() {
+        Mode::Asymmetric => 0,
+        Mode::Symmetric => 1,
+    };
+    h[9] = match s.scale_format() {
+        ScaleFormat::F16 => 0,
+        ScaleFormat::Bf16 => 1,
+        ScaleFormat::F32 => 2,
+    };
+    h[12..16].copy_from_slice(&(n as u32).to_le_bytes());
+    h[16..20].copy_from_slice(&(l.n_kv_heads() as u32).to_le_bytes());
+    h[20..24].copy_from_slice(&(l.head_dim() as u32).to_le_bytes());
+    h[24..28].copy_from_slice(&(tokens as u32).to_le_bytes());
+    h
+}
+
+fn validate_params(op: &'static str, l: &Layout, params: &[u8]) -> Result<()> {
+    let s = l.scheme();
+    let fmt = s.scale_format();
+    let fb = fmt.bytes();
+    // Param sets alternate [scales][zeros]; a set has `n` groups.
+    let n = match s.axis() {
+        Axis::PerToken => l.groups_per_row(),
+        Axis::PerChannel => l.head_dim(),
+    };
+    let set = n * s.param_bytes();
+    for (k, chunk) in params.chunks(set).enumerate() {
+        for i in 0..chunk.len() / fb {
+            let v = fmt.read(&chunk[i * fb..]);
+            let is_scale = i < n;
+            if !v.is_finite() || (is_scale && v < 0.0) {
+                return Err(Error::Malformed {
+                    op,
+                    what: format!(
+                        "{} {i} of param set {k} is {v}",
+                        if is_scale { "scale" } else { "zero" }
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One KV head of packed storage: what the kernels read.
+///
+/// `codes` holds `tokens` rows of [`Layout::row_bytes`]; `params` holds the
+/// head's param sets (see [`PackedBlock`]). Made by [`PackedBlock::head`],
+/// by the cache, or by [`PackedHead::new`] over an engine's own buffers.
+#[derive(Debug, Clone, Copy)]
+pub struct PackedHead<'a> {
+    pub(crate) layout: Layout,
+    pub(crate) tokens: usize,
+    pub(crate) codes: &'a [u8],
+    pub(crate) params: &'a [u8],
+}
+
+impl<'a> PackedHead<'a> {
+    /// A view over buffers laid out as `docs/FORMAT.md` says.
+    ///
+    /// # Errors
+    /// [`Error::Length`] when a buffer does not match the layout for
+    /// `tokens` tokens of one head.
+    pub fn new(layout: Layout, tokens: usize, codes: &'a [u8], params: &'a [u8]) -> Result<Self> {
+        let op = "PackedHead::new";
+        crate::quant::check_len(op, "bytes of codes", layout.head_code_bytes(tokens), codes.len())?;
+        let pb = if layout.shared_params() {
+            layout.param_bytes(tokens)
+        } else {
+            layout.head_param_bytes(tokens)
+        };
+        crate::quant::check_len(op, "bytes of params", pb, params.len())?;
+        Ok(PackedHead {
+            layout,
+            tokens,
+            codes,
+            params,
+        })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    /// Tokens in the view.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// The packed code rows.
+    pub fn codes(&self) -> &'a [u8] {
+        self.codes
+    }
+    /// The param sets.
+    pub fn params(&self) -> &'a [u8] {
+        self.params
+    }
+
+    /// Groups in one param set: per-token groups of a row, or `head_dim`
+    /// channels of a per-channel block.
+    #[inline]
+    pub(crate) fn set_len(&self) -> usize {
+        match self.layout.scheme().axis() {
+            Axis::PerToken => self.layout.groups_per_row(),
+            Axis::PerChannel => self.layout.head_dim(),
+        }
+    }
+
+    /// `(scale, zero)` of group `g` of param set `k` (set = token for
+    /// per-token, block for per-channel).
+    #[inline]
+    pub(crate) fn param(&self, k: usize, g: usize) -> (f32, f32) {
+        let s = self.layout.scheme();
+        let fmt = s.scale_format();
+        let fb = fmt.bytes();
+        let n = self.set_len();
+        let base = k * n * s.param_bytes();
+        let scale = fmt.read(&self.params[base + g * fb..]);
+        let zero = match s.mode() {
+            Mode::Asymmetric => fmt.read(&self.params[base + (n + g) * fb..]),
+            Mode::Symmetric => -scale * (1u32 << (s.bits() - 1)) as f32,
+        };
+        (scale, zero)
+    }
+
+    /// Decode all `(scale, zero)` of param set `k` into `scales`/`zeros`.
+    #[inline]
+    pub(crate) fn params_into(&self, k: usize, scales: &mut [f32], zeros: &mut [f32]) {
+        for g in 0..self.set_len() {
+            let (s, z) = self.param(k, g);
+            scales[g] = s;
+            zeros[g] = z;
+        }
+    }
+
+    /// Dequantize into `out`, `[tokens, head_dim]`.
+    ///
+    /// # Panics
+    /// If `out.len() != tokens·head_dim`.
+    #[track_caller]
+    pub fn dequantize_into(&self, out: &mut [f32]) {
+        let l = &self.layout;
+        let hd = l.head_dim();
+        let rb = l.row_bytes();
+        let bits = l.scheme().bits();
+        assert_eq!(out.len(), self.tokens * hd, "dequantize: output length");
+        let mut codes = vec![0u8; hd];
+        for t in 0..self.tokens {
+            pack::unpack(&self.codes[t * rb..(t + 1) * rb], bits, &mut codes);
+            let o = &mut out[t * hd..(t + 1) * hd];
+            match l.scheme().axis() {
+                Axis::PerToken => {
+                    let cpg = l.channels_per_group();
+                    for (c, (o, &q)) in o.iter_mut().zip(&codes).enumerate() {
+                        let (s, z) = self.param(t, c / cpg);
+                        *o = s * q as f32 + z;
+                    }
+                }
+                Axis::PerChannel => {
+                    let k = t / l.group_len();
+                    for (c, (o, &q)) in o.iter_mut().zip(&codes).enumerate() {
+                        let (s, z) = self.param(k, c);
+                        *o = s * q as f32 + z;
+                    }
+                }
+            }
+        }
+    }
+}
