@@ -29,14 +29,18 @@
 
 pub mod element;
 pub mod error;
+pub mod cache;
 pub mod kernels;
+pub mod metrics;
 pub mod pack;
+pub mod plan;
 pub mod quant;
 pub mod scheme;
 pub mod store;
 
 pub use element::Element;
 pub use error::{Error, Result};
+pub use cache::{CacheBytes, CacheConfig, KvCache, LayerCache};
 pub use kernels::Backend;
 pub use quant::{KvQuantizer, UniformQuantizer};
 pub use scheme::{presets, Axis, Group, Layout, Mode, QuantScheme, ScaleFormat};

@@ -35,7 +35,7 @@ pub fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
 pub fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let hd = head.layout().head_dim();
     let t = head.tokens();
-    let nq = if t == 0 { out.len() / hd } else { p.len() / t };
+    let nq = p.len().checked_div(t).unwrap_or(out.len() / hd);
     assert_eq!(p.len(), nq * t);
     assert_eq!(out.len(), nq * hd);
     let mut v = vec![0f32; t * hd];

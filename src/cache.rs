@@ -1,0 +1,1068 @@
+//! The streaming quantized KV cache.
+//!
+//! [`LayerCache`] holds one attention layer's keys and values; [`KvCache`]
+//! holds all layers, each with its own schemes if wanted.
+//!
+//! # Where a token lives
+//!
+//! Positions `0..sinks` (attention sinks) stay exact forever. After them,
+//! each of K and V keeps its newest tokens in full precision (the *residual
+//! window*) and quantizes older ones into packed storage, **once**:
+//!
+//! * per-token schemes quantize a token when it leaves the residual window
+//!   (with `residual = 0`, on arrival);
+//! * per-channel schemes (KIVI keys) quantize a whole block of `group`
+//!   tokens at once, when the oldest `group` full-precision tokens all lie
+//!   outside the residual window — so between `residual` and
+//!   `residual + group − 1` of the newest tokens are full precision, and no
+//!   token is ever quantized twice (HF's `QuantizedCache` re-quantizes; kvq
+//!   does not).
+//!
+//! A tensor with no scheme (`None`) is kept in full precision. Full-precision
+//! parts are stored as `f32`.
+//!
+//! # Appends are all-or-nothing
+//!
+//! [`LayerCache::append`] and [`LayerCache::extend`] check everything first —
+//! lengths, finiteness (NaN/inf is rejected, naming token, head and channel),
+//! and that every scale the tokens will need fits the scale format — and only
+//! then change the cache. A rejected call leaves it byte-for-byte as it was.
+//!
+//! # Example: a KIVI-4 cache, streamed and attended
+//! ```
+//! use kvq::{Axis, CacheConfig, Group, LayerCache, QuantScheme};
+//! let (n_kv, hd, n_q) = (2, 64, 4);
+//! let keys = QuantScheme::new(4, Axis::PerChannel, Group::Size(32))?;
+//! let values = QuantScheme::new(4, Axis::PerToken, Group::Size(32))?;
+//! let cfg = CacheConfig::new(n_kv, hd).keys(keys).values(values).residual(128).sinks(4);
+//! let mut cache = LayerCache::new(cfg)?;
+//! let mut seed = 1u64;
+//! let mut rnd = move || { seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17; (seed % 2001) as f32 / 1000.0 - 1.0 };
+//! for _ in 0..1000 {
+//!     let k: Vec<f32> = (0..n_kv * hd).map(|_| rnd()).collect();
+//!     let v: Vec<f32> = (0..n_kv * hd).map(|_| rnd()).collect();
+//!     cache.append(&k, &v)?;
+//! }
+//! let q: Vec<f32> = (0..n_q * hd).map(|_| rnd()).collect();
+//! let mut out = vec![0.0; n_q * hd];
+//! cache.attend(&q, n_q, &mut out)?;
+//!
+//! // The same attention, computed densely over what the cache holds.
+//! let (k, v) = (cache.keys_f32(), cache.values_f32());
+//! let want = kvq::cache::dense_attention(&q, n_q, &k, &v, n_kv, hd, 1.0 / 8.0);
+//! for (a, b) in out.iter().zip(&want) { assert!((a - b).abs() < 1e-4); }
+//! println!("{} bytes, {:.2} effective bits", cache.bytes().total(), cache.effective_bits());
+//! # Ok::<(), kvq::Error>(())
+//! ```
+
+use crate::element::{widen_into, Element};
+use crate::error::{Error, Result};
+use crate::kernels::{self, Backend};
+use crate::quant::{check_finite, check_len, group_params, quantize_channel_block, quantize_token};
+use crate::scheme::{check_shape, Axis, Layout, QuantScheme};
+use crate::store::PackedHead;
+
+/// Configuration of one layer's cache. Checked by [`LayerCache::new`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheConfig {
+    n_kv_heads: usize,
+    head_dim: usize,
+    keys: Option<QuantScheme>,
+    values: Option<QuantScheme>,
+    residual: usize,
+    sinks: usize,
+    softmax_scale: Option<f32>,
+    backend: Option<Backend>,
+    threads: usize,
+}
+
+impl CacheConfig {
+    /// A full-precision cache of this shape: no schemes, no residual window,
+    /// no sinks, softmax scale `1/√head_dim`, the detected backend, all
+    /// available threads.
+    pub fn new(n_kv_heads: usize, head_dim: usize) -> Self {
+        CacheConfig {
+            n_kv_heads,
+            head_dim,
+            keys: None,
+            values: None,
+            residual: 0,
+            sinks: 0,
+            softmax_scale: None,
+            backend: None,
+            threads: 0,
+        }
+    }
+    /// Quantize keys with `scheme`.
+    pub fn keys(mut self, scheme: QuantScheme) -> Self {
+        self.keys = Some(scheme);
+        self
+    }
+    /// Quantize values with `scheme`.
+    pub fn values(mut self, scheme: QuantScheme) -> Self {
+        self.values = Some(scheme);
+        self
+    }
+    /// Keep keys in full precision (`None`) or quantize them.
+    pub fn keys_opt(mut self, scheme: Option<QuantScheme>) -> Self {
+        self.keys = scheme;
+        self
+    }
+    /// Keep values in full precision (`None`) or quantize them.
+    pub fn values_opt(mut self, scheme: Option<QuantScheme>) -> Self {
+        self.values = scheme;
+        self
+    }
+    /// Keep the newest `tokens` in full precision.
+    pub fn residual(mut self, tokens: usize) -> Self {
+        self.residual = tokens;
+        self
+    }
+    /// Keep the first `tokens` (attention sinks) exact forever.
+    pub fn sinks(mut self, tokens: usize) -> Self {
+        self.sinks = tokens;
+        self
+    }
+    /// Multiply logits by `scale` before the softmax (default `1/√head_dim`).
+    pub fn softmax_scale(mut self, scale: f32) -> Self {
+        self.softmax_scale = Some(scale);
+        self
+    }
+    /// Run the kernels on `backend` (default: [`Backend::detect`]).
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+    /// Use at most `n` threads in `attend` (0 = all available, 1 = the
+    /// calling thread only, for engines with their own pools).
+    pub fn threads(mut self, n: usize) -> Self {
+        self.threads = n;
+        self
+    }
+    /// KV heads.
+    pub fn n_kv_heads(&self) -> usize {
+        self.n_kv_heads
+    }
+    /// Channels per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// Key scheme (`None`: full precision).
+    pub fn key_scheme(&self) -> Option<QuantScheme> {
+        self.keys
+    }
+    /// Value scheme (`None`: full precision).
+    pub fn value_scheme(&self) -> Option<QuantScheme> {
+        self.values
+    }
+    /// Residual window length.
+    pub fn residual_len(&self) -> usize {
+        self.residual
+    }
+    /// Number of sink tokens.
+    pub fn sink_len(&self) -> usize {
+        self.sinks
+    }
+}
+
+/// Bytes a cache holds, by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheBytes {
+    /// Packed codes.
+    pub codes: usize,
+    /// Scales and zeros.
+    pub params: usize,
+    /// Full-precision (f32) sinks, residual window and staging tokens.
+    pub full_precision: usize,
+}
+
+impl CacheBytes {
+    /// All of it.
+    pub fn total(&self) -> usize {
+        self.codes + self.params + self.full_precision
+    }
+}
+
+impl std::ops::Add for CacheBytes {
+    type Output = CacheBytes;
+    fn add(self, o: CacheBytes) -> CacheBytes {
+        CacheBytes {
+            codes: self.codes + o.codes,
+            params: self.params + o.params,
+            full_precision: self.full_precision + o.full_precision,
+        }
+    }
+}
+
+/// One of K or V of a layer.
+#[derive(Debug, Clone)]
+struct Tensor {
+    layout: Option<Layout>,
+    width: usize,
+    sinks: usize,
+    residual: usize,
+    /// Sink rows, `[≤ sinks, width]`.
+    sink: Vec<f32>,
+    /// Full-precision tail rows; live rows start at `tail_start`.
+    tail: Vec<f32>,
+    tail_start: usize,
+    /// Packed tokens.
+    packed: usize,
+    /// Per head codes (and params, or one shared param buffer).
+    codes: Vec<Vec<u8>>,
+    params: Vec<Vec<u8>>,
+    /// Per-channel: running min/max of the block being filled.
+    pend_min: Vec<f32>,
+    pend_max: Vec<f32>,
+}
+
+impl PartialEq for Tensor {
+    /// Equal when every stored number agrees (ignoring spare capacity and
+    /// the dead prefix of the tail).
+    fn eq(&self, o: &Self) -> bool {
+        self.layout == o.layout
+            && self.sink == o.sink
+            && self.tail_slice() == o.tail_slice()
+            && self.packed == o.packed
+            && self.codes == o.codes
+            && self.params == o.params
+            && self.pend_min == o.pend_min
+            && self.pend_max == o.pend_max
+    }
+}
+
+impl Tensor {
+    fn new(layout: Option<Layout>, n_kv: usize, hd: usize, sinks: usize, residual: usize) -> Self {
+        let np = match layout {
+            Some(l) if l.shared_params() => 1,
+            _ => n_kv,
+        };
+        let pc = matches!(layout, Some(l) if l.scheme().axis() == Axis::PerChannel);
+        Tensor {
+            layout,
+            width: n_kv * hd,
+            sinks,
+            residual,
+            sink: Vec::new(),
+            tail: Vec::new(),
+            tail_start: 0,
+            packed: 0,
+            codes: vec![Vec::new(); n_kv],
+            params: vec![Vec::new(); np],
+            pend_min: if pc { vec![0.0; n_kv * hd] } else { Vec::new() },
+            pend_max: if pc { vec![0.0; n_kv * hd] } else { Vec::new() },
+        }
+    }
+
+    fn tail_rows(&self) -> usize {
+        (self.tail.len() / self.width) - self.tail_start
+    }
+
+    fn tail_slice(&self) -> &[f32] {
+        &self.tail[self.tail_start * self.width..]
+    }
+
+    /// Tokens quantized at a time.
+    fn unit(&self) -> usize {
+        self.layout.map_or(usize::MAX, |l| l.block_tokens())
+    }
+
+    /// Check that `rows` (tokens at positions `pos0..`) can be stored, and
+    /// advance the per-channel pending state in `pend` accordingly.
+    fn check(
+        &self,
+        what: &'static str,
+        rows: &[f32],
+        pos0: usize,
+        pend: &mut (Vec<f32>, Vec<f32>),
+    ) -> Result<()> {
+        let Some(l) = self.layout else { return Ok(()) };
+        let s = l.scheme();
+        let hd = l.head_dim();
+        let ovf = |w: &'static str, v: f32, t: usize, h: usize, g: usize| Error::ScaleOverflow {
+            op: what,
+            what: w,
+            value: v,
+            format: s.scale_format().name(),
+            token: t,
+            head: h,
+            group: g,
+        };
+        for (i, row) in rows.chunks_exact(self.width).enumerate() {
+            let pos = pos0 + i;
+            if pos < self.sinks {
+                continue;
+            }
+            match s.axis() {
+                Axis::PerToken => {
+                    let gl = l.channels_per_group();
+                    for (j, g) in row.chunks_exact(gl.min(self.width)).enumerate() {
+                        let (mn, mx) = g
+                            .iter()
+                            .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
+                        group_params(s, mn, mx).map_err(|(w, v)| {
+                            let gph = (hd / gl).max(1);
+                            ovf(w, v, i, j / gph, j % gph)
+                        })?;
+                    }
+                }
+                Axis::PerChannel => {
+                    let first = (pos - self.sinks) % l.group_len() == 0;
+                    let (mn, mx) = pend;
+                    for c in 0..self.width {
+                        if first {
+                            mn[c] = row[c];
+                            mx[c] = row[c];
+                        } else {
+                            mn[c] = mn[c].min(row[c]);
+                            mx[c] = mx[c].max(row[c]);
+                        }
+                        group_params(s, mn[c], mx[c])
+                            .map_err(|(w, v)| ovf(w, v, i, c / hd, c % hd))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Store one checked row at position `pos`.
+    fn push(&mut self, row: &[f32], pos: usize, scratch: &mut Scratch) {
+        if pos < self.sinks {
+            self.sink.extend_from_slice(row);
+            return;
+        }
+        self.tail.extend_from_slice(row);
+        let unit = self.unit();
+        while unit != usize::MAX && self.tail_rows() >= self.residual + unit {
+            self.flush(unit, scratch);
+        }
+    }
+
+    /// Quantize the oldest `unit` tail rows.
+    fn flush(&mut self, unit: usize, scratch: &mut Scratch) {
+        let l = self.layout.expect("flush needs a scheme");
+        let rb = l.row_bytes();
+        let w = self.width;
+        let rows = &self.tail[self.tail_start * w..(self.tail_start + unit) * w];
+        let token = self.sinks + self.packed;
+        match l.scheme().axis() {
+            Axis::PerToken => {
+                scratch.codes.resize(l.n_kv_heads() * rb, 0);
+                scratch.params.resize(l.param_bytes(1), 0);
+                quantize_token(&l, rows, token, &mut scratch.codes, &mut scratch.params)
+                    .expect("scales were checked when the token was appended");
+                for (h, c) in self.codes.iter_mut().enumerate() {
+                    c.extend_from_slice(&scratch.codes[h * rb..(h + 1) * rb]);
+                }
+                let per = scratch.params.len() / self.params.len();
+                for (h, p) in self.params.iter_mut().enumerate() {
+                    p.extend_from_slice(&scratch.params[h * per..(h + 1) * per]);
+                }
+            }
+            Axis::PerChannel => {
+                scratch.codes.resize(unit * rb, 0);
+                scratch.params.resize(l.head_param_bytes(unit), 0);
+                for h in 0..l.n_kv_heads() {
+                    quantize_channel_block(
+                        &l,
+                        rows,
+                        unit,
+                        h,
+                        token,
+                        &mut scratch.codes,
+                        &mut scratch.params,
+                    )
+                    .expect("scales were checked when the tokens were appended");
+                    self.codes[h].extend_from_slice(&scratch.codes);
+                    self.params[h].extend_from_slice(&scratch.params);
+                }
+            }
+        }
+        self.packed += unit;
+        self.tail_start += unit;
+        // Compact the tail once its dead prefix outweighs the live rows.
+        if self.tail_start > 64 && self.tail_start * 2 > self.tail.len() / w {
+            self.tail.drain(..self.tail_start * w);
+            self.tail_start = 0;
+        }
+    }
+
+    fn head(&self, h: usize) -> Option<PackedHead<'_>> {
+        let l = self.layout?;
+        if self.packed == 0 {
+            return None;
+        }
+        let p = if l.shared_params() { &self.params[0] } else { &self.params[h] };
+        Some(PackedHead::new(l, self.packed, &self.codes[h], p).expect("cache keeps consistent buffers"))
+    }
+
+    fn bytes(&self) -> CacheBytes {
+        CacheBytes {
+            codes: self.codes.iter().map(Vec::len).sum(),
+            params: self.params.iter().map(Vec::len).sum(),
+            full_precision: (self.sink.len() + self.tail_rows() * self.width) * 4,
+        }
+    }
+
+    fn clear(&mut self) {
+        self.sink.clear();
+        self.tail.clear();
+        self.tail_start = 0;
+        self.packed = 0;
+        self.codes.iter_mut().for_each(Vec::clear);
+        self.params.iter_mut().for_each(Vec::clear);
+    }
+
+    /// Everything as f32 rows `[len, width]`: what attention sees.
+    fn to_f32(&self) -> Vec<f32> {
+        let mut out = self.sink.clone();
+        if let Some(l) = self.layout {
+            let hd = l.head_dim();
+            let n_kv = self.width / hd;
+            let base = out.len();
+            out.resize(base + self.packed * self.width, 0.0);
+            let mut tmp = vec![0f32; self.packed * hd];
+            for h in 0..n_kv {
+                if let Some(view) = self.head(h) {
+                    view.dequantize_into(&mut tmp);
+                    for t in 0..self.packed {
+                        let o = base + t * self.width + h * hd;
+                        out[o..o + hd].copy_from_slice(&tmp[t * hd..(t + 1) * hd]);
+                    }
+                }
+            }
+        }
+        out.extend_from_slice(self.tail_slice());
+        out
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+struct Scratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    codes: Vec<u8>,
+    params: Vec<u8>,
+}
+
+/// The quantized K/V cache of one attention layer.
+///
+/// See the [module docs](self) for where tokens live and an example.
+#[derive(Debug, Clone)]
+pub struct LayerCache {
+    cfg: CacheConfig,
+    len: usize,
+    k: Tensor,
+    v: Tensor,
+    scratch: Scratch,
+    backend: Backend,
+    threads: usize,
+}
+
+impl PartialEq for LayerCache {
+    /// Equal when configuration, length and every stored byte agree.
+    fn eq(&self, o: &Self) -> bool {
+        self.cfg == o.cfg && self.len == o.len && self.k == o.k && self.v == o.v
+    }
+}
+
+impl LayerCache {
+    /// An empty cache.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for zero heads or a `head_dim` that is not a
+    /// positive multiple of 8, and [`Error::SchemeShape`] when a scheme does
+    /// not fit `head_dim` (see [`QuantScheme::layout`]).
+    pub fn new(cfg: CacheConfig) -> Result<Self> {
+        check_shape("LayerCache::new", cfg.n_kv_heads, cfg.head_dim)?;
+        let lay = |s: Option<QuantScheme>| s.map(|s| s.layout(cfg.n_kv_heads, cfg.head_dim)).transpose();
+        let (lk, lv) = (lay(cfg.keys)?, lay(cfg.values)?);
+        let threads = match cfg.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        Ok(LayerCache {
+            cfg,
+            len: 0,
+            k: Tensor::new(lk, cfg.n_kv_heads, cfg.head_dim, cfg.sinks, cfg.residual),
+            v: Tensor::new(lv, cfg.n_kv_heads, cfg.head_dim, cfg.sinks, cfg.residual),
+            scratch: Scratch::default(),
+            backend: cfg.backend.unwrap_or_else(Backend::detect),
+            threads,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CacheConfig {
+        &self.cfg
+    }
+    /// Tokens cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether no token is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Tokens of keys / values held in packed form.
+    pub fn packed_len(&self) -> (usize, usize) {
+        (self.k.packed, self.v.packed)
+    }
+    /// The backend the kernels run on.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Forget every token, keeping allocations (e.g. between evaluation
+    /// windows).
+    pub fn clear(&mut self) {
+        self.len = 0;
+        self.k.clear();
+        self.v.clear();
+    }
+
+    /// Append one token: `k` and `v` are `[n_kv_heads·head_dim]`.
+    ///
+    /// # Errors
+    /// [`Error::Length`] for wrong lengths, [`Error::NonFinite`] for NaN/inf
+    /// (token 0), [`Error::ScaleOverflow`] when a scale would not fit its
+    /// format. The cache is unchanged on error.
+    pub fn append<T: Element>(&mut self, k: &[T], v: &[T]) -> Result<()> {
+        self.extend_op("append", k, v)
+    }
+
+    /// Append many tokens (prefill): `k` and `v` are `[n, n_kv_heads·head_dim]`.
+    /// Byte-for-byte the same result as appending them one at a time.
+    ///
+    /// # Errors
+    /// As [`append`](Self::append), with the token index within the call;
+    /// nothing is appended if any token is rejected.
+    pub fn extend<T: Element>(&mut self, k: &[T], v: &[T]) -> Result<()> {
+        self.extend_op("extend", k, v)
+    }
+
+    fn extend_op<T: Element>(&mut self, op: &'static str, k: &[T], v: &[T]) -> Result<()> {
+        let w = self.cfg.n_kv_heads * self.cfg.head_dim;
+        if k.len() % w != 0 || (op == "append" && k.len() != w) {
+            return Err(Error::Length {
+                op,
+                what: "values for keys (a multiple of n_kv_heads·head_dim)",
+                expected: w * (k.len() / w).max(1),
+                got: k.len(),
+            });
+        }
+        check_len(op, "values for values", k.len(), v.len())?;
+        let mut s = std::mem::take(&mut self.scratch);
+        let r = self.extend_checked(op, k, v, &mut s);
+        self.scratch = s;
+        r
+    }
+
+    fn extend_checked<T: Element>(
+        &mut self,
+        op: &'static str,
+        k: &[T],
+        v: &[T],
+        s: &mut Scratch,
+    ) -> Result<()> {
+        let (n_kv, hd) = (self.cfg.n_kv_heads, self.cfg.head_dim);
+        let w = n_kv * hd;
+        widen_into(k, &mut s.k);
+        widen_into(v, &mut s.v);
+        check_finite(op, &s.k, n_kv, hd, 0)?;
+        check_finite(op, &s.v, n_kv, hd, 0)?;
+        let mut pk = (self.k.pend_min.clone(), self.k.pend_max.clone());
+        let mut pv = (self.v.pend_min.clone(), self.v.pend_max.clone());
+        self.k.check(op, &s.k, self.len, &mut pk)?;
+        self.v.check(op, &s.v, self.len, &mut pv)?;
+        // Checked: from here on nothing fails.
+        (self.k.pend_min, self.k.pend_max) = pk;
+        (self.v.pend_min, self.v.pend_max) = pv;
+        let n = s.k.len() / w;
+        let mut q = Scratch {
+            codes: std::mem::take(&mut s.codes),
+            params: std::mem::take(&mut s.params),
+            ..Scratch::default()
+        };
+        for i in 0..n {
+            self.k.push(&s.k[i * w..(i + 1) * w], self.len, &mut q);
+            self.v.push(&s.v[i * w..(i + 1) * w], self.len, &mut q);
+            self.len += 1;
+        }
+        s.codes = q.codes;
+        s.params = q.params;
+        Ok(())
+    }
+
+    /// Bytes held, by kind.
+    pub fn bytes(&self) -> CacheBytes {
+        self.k.bytes() + self.v.bytes()
+    }
+
+    /// Bits stored per cached K or V element, everything counted
+    /// (`8·bytes / (2·len·n_kv_heads·head_dim)`); 0 when empty. Tends to the
+    /// average of the two schemes' effective bits as the context grows.
+    pub fn effective_bits(&self) -> f64 {
+        if self.len == 0 {
+            return 0.0;
+        }
+        let elems = 2 * self.len * self.cfg.n_kv_heads * self.cfg.head_dim;
+        8.0 * self.bytes().total() as f64 / elems as f64
+    }
+
+    /// The keys as attention sees them, `[len, n_kv_heads·head_dim]`
+    /// (dequantized; allocates — for tests and metrics, not the hot path).
+    pub fn keys_f32(&self) -> Vec<f32> {
+        self.k.to_f32()
+    }
+    /// The values as attention sees them (see [`keys_f32`](Self::keys_f32)).
+    pub fn values_f32(&self) -> Vec<f32> {
+        self.v.to_f32()
+    }
+
+    fn scale(&self) -> f32 {
+        self.cfg
+            .softmax_scale
+            .unwrap_or(1.0 / (self.cfg.head_dim as f32).sqrt())
+    }
+
+    fn check_heads(&self, op: &'static str, n_q_heads: usize) -> Result<usize> {
+        let n_kv = self.cfg.n_kv_heads;
+        if n_q_heads == 0 || n_q_heads % n_kv != 0 {
+            return Err(Error::InvalidShape {
+                op,
+                what: format!("n_q_heads {n_q_heads} is not a positive multiple of n_kv_heads {n_kv}"),
+            });
+        }
+        if self.len == 0 {
+            return Err(Error::InvalidShape {
+                op,
+                what: "the cache is empty".into(),
+            });
+        }
+        Ok(n_q_heads / n_kv)
+    }
+
+    /// Decode attention for one new position: `q` is `[n_q_heads·head_dim]`,
+    /// `out` receives `[n_q_heads·head_dim]`. Query head `i` reads KV head
+    /// `i / (n_q_heads / n_kv_heads)` (GQA/MQA); the query heads of one KV
+    /// head are served in one pass over its packed bytes.
+    ///
+    /// Scores over sinks, packed tokens and full-precision tokens, a stable
+    /// softmax, and the weighted sum of values — all from packed storage,
+    /// with no dequantized copy. KV heads are spread over threads when the
+    /// context is long enough to pay for it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when `n_q_heads` is not a positive multiple of
+    /// `n_kv_heads` or the cache is empty; [`Error::Length`] for wrong `q`
+    /// or `out` lengths; [`Error::NonFinite`] for NaN/inf in `q`.
+    pub fn attend<T: Element>(&self, q: &[T], n_q_heads: usize, out: &mut [f32]) -> Result<()> {
+        self.attend_causal(q, n_q_heads, out, None)
+    }
+
+    /// Attention for the last `n` cached positions at once (prefill or
+    /// evaluation): `q` is `[n, n_q_heads·head_dim]` for positions
+    /// `len−n .. len`, `out` the same shape. Query `j` sees positions up to
+    /// its own (causal), and with `window = Some(w)` only the last `w` of
+    /// them (sliding-window layers). Append the block's K/V first.
+    ///
+    /// # Errors
+    /// As [`attend`](Self::attend); also [`Error::InvalidShape`] when `n`
+    /// exceeds the cached length or `window` is `Some(0)`.
+    pub fn attend_causal<T: Element>(
+        &self,
+        q: &[T],
+        n_q_heads: usize,
+        out: &mut [f32],
+        window: Option<usize>,
+    ) -> Result<()> {
+        let op = "attend";
+        let r = self.check_heads(op, n_q_heads)?;
+        let hd = self.cfg.head_dim;
+        let qw = n_q_heads * hd;
+        if q.is_empty() || q.len() % qw != 0 {
+            return Err(Error::Length {
+                op,
+                what: "query values (a positive multiple of n_q_heads·head_dim)",
+                expected: qw * (q.len() / qw).max(1),
+                got: q.len(),
+            });
+        }
+        check_len(op, "output values", q.len(), out.len())?;
+        let n = q.len() / qw;
+        if n > self.len {
+            return Err(Error::InvalidShape {
+                op,
+                what: format!("{n} query positions but only {} cached tokens", self.len),
+            });
+        }
+        if window == Some(0) {
+            return Err(Error::InvalidShape {
+                op,
+                what: "window must be at least 1".into(),
+            });
+        }
+        let scale = self.scale();
+        let mut qf = Vec::new();
+        widen_into(q, &mut qf);
+        check_finite(op, &qf, n_q_heads, hd, 0)?;
+        qf.iter_mut().for_each(|x| *x *= scale);
+
+        let n_kv = self.cfg.n_kv_heads;
+        // Work for one KV head: its `n·r` queries, gathered position-major.
+        let run = |h: usize, dst: &mut [f32]| {
+            let mut qh = vec![0f32; n * r * hd];
+            for j in 0..n {
+                let src = &qf[j * qw + h * r * hd..j * qw + (h + 1) * r * hd];
+                qh[j * r * hd..(j + 1) * r * hd].copy_from_slice(src);
+            }
+            self.head_attention(h, &qh, n, r, window, dst);
+        };
+        let per_head = n * r * hd;
+        let mut tmp = vec![0f32; n_kv * per_head];
+        let work = self.len * n * n_kv;
+        let threads = self.threads.min(n_kv);
+        if threads > 1 && work >= PARALLEL_MIN_WORK {
+            let chunk = n_kv.div_ceil(threads);
+            std::thread::scope(|sc| {
+                for (ci, block) in tmp.chunks_mut(chunk * per_head).enumerate() {
+                    let run = &run;
+                    sc.spawn(move || {
+                        for (k, dst) in block.chunks_mut(per_head).enumerate() {
+                            run(ci * chunk + k, dst);
+                        }
+                    });
+                }
+            });
+        } else {
+            for (h, dst) in tmp.chunks_mut(per_head).enumerate() {
+                run(h, dst);
+            }
+        }
+        // Scatter [h][j][r·hd] into [j][h·r·hd].
+        for h in 0..n_kv {
+            for j in 0..n {
+                let src = &tmp[h * per_head + j * r * hd..h * per_head + (j + 1) * r * hd];
+                out[j * qw + h * r * hd..j * qw + (h + 1) * r * hd].copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention of KV head `h` for `n` positions × `r` query heads (`qh` is
+    /// `[n, r, hd]`, pre-scaled); writes `[n, r, hd]` into `dst`.
+    fn head_attention(&self, h: usize, qh: &[f32], n: usize, r: usize, window: Option<usize>, dst: &mut [f32]) {
+        let hd = self.cfg.head_dim;
+        let len = self.len;
+        dst.fill(0.0);
+        // Query positions in sub-blocks so the score matrix stays small.
+        let sub = (QUERY_BLOCK / r).max(1);
+        let mut j0 = 0;
+        let mut scores = Vec::new();
+        let mut tmp = Vec::new();
+        while j0 < n {
+            let j1 = (j0 + sub).min(n);
+            let rows = (j1 - j0) * r;
+            // Positions visible to the last query of the sub-block.
+            let vis = len - n + j1;
+            scores.clear();
+            scores.resize(rows * vis, 0.0);
+            let q = &qh[j0 * r * hd..j1 * r * hd];
+            self.k_scores(h, q, rows, vis, &mut scores, &mut tmp);
+            // Mask and softmax, row by row.
+            for j in j0..j1 {
+                let pos = len - n + j;
+                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                for i in 0..r {
+                    let row = &mut scores[((j - j0) * r + i) * vis..((j - j0) * r + i + 1) * vis];
+                    row[..lo].fill(0.0);
+                    row[pos + 1..].fill(0.0);
+                    softmax_in_place(&mut row[lo..=pos]);
+                }
+            }
+            self.v_sum(h, &scores, rows, vis, &mut dst[j0 * r * hd..j1 * r * hd], &mut tmp);
+            j0 = j1;
+        }
+    }
+
+    /// Logits `[rows, vis]` of `rows` queries against positions `0..vis`.
+    fn k_scores(&self, h: usize, q: &[f32], rows: usize, vis: usize, out: &mut [f32], tmp: &mut Vec<f32>) {
+        let t = &self.k;
+        let hd = self.cfg.head_dim;
+        let mut pos = 0;
+        // Sinks, then packed, then the full-precision tail.
+        let n_sink = t.sink.len() / t.width;
+        dense_scores(&t.sink, t.width, h * hd, hd, q, rows, 0, n_sink.min(vis), vis, out);
+        pos += n_sink;
+        if pos >= vis {
+            return;
+        }
+        if let Some(view) = t.head(h) {
+            let np = t.packed.min(vis - pos);
+            let view = truncate(view, np);
+            tmp.clear();
+            tmp.resize(rows * np, 0.0);
+            kernels::scores_on(self.backend, &view, q, tmp).expect("lengths are consistent");
+            for i in 0..rows {
+                out[i * vis + pos..i * vis + pos + np].copy_from_slice(&tmp[i * np..(i + 1) * np]);
+            }
+            pos += t.packed;
+        }
+        if pos >= vis {
+            return;
+        }
+        let nt = t.tail_rows().min(vis - pos);
+        dense_scores(t.tail_slice(), t.width, h * hd, hd, q, rows, pos, nt, vis, out);
+    }
+
+    /// `dst[rows, hd] += p[rows, vis] · V[0..vis]`.
+    fn v_sum(&self, h: usize, p: &[f32], rows: usize, vis: usize, dst: &mut [f32], tmp: &mut Vec<f32>) {
+        let t = &self.v;
+        let hd = self.cfg.head_dim;
+        let n_sink = t.sink.len() / t.width;
+        dense_sum(&t.sink, t.width, h * hd, hd, p, rows, 0, n_sink.min(vis), vis, dst);
+        let mut pos = n_sink;
+        if pos >= vis {
+            return;
+        }
+        if let Some(view) = t.head(h) {
+            let np = t.packed.min(vis - pos);
+            let view = truncate(view, np);
+            tmp.clear();
+            tmp.resize(rows * np, 0.0);
+            for i in 0..rows {
+                tmp[i * np..(i + 1) * np].copy_from_slice(&p[i * vis + pos..i * vis + pos + np]);
+            }
+            kernels::weighted_sum_on(self.backend, &view, tmp, dst).expect("lengths are consistent");
+            pos += t.packed;
+        }
+        if pos >= vis {
+            return;
+        }
+        let nt = t.tail_rows().min(vis - pos);
+        dense_sum(t.tail_slice(), t.width, h * hd, hd, p, rows, pos, nt, vis, dst);
+    }
+}
+
+/// Work (`len · positions · kv heads`) below which `attend` stays on one thread.
+const PARALLEL_MIN_WORK: usize = 16 * 1024;
+/// Query rows (positions × query heads) scored at once in `attend_causal`.
+const QUERY_BLOCK: usize = 64;
+
+/// The first `tokens` tokens of a packed head (per-channel: whole blocks
+/// plus a prefix of the next, which the kernels handle).
+fn truncate(view: PackedHead<'_>, tokens: usize) -> PackedHead<'_> {
+    if tokens == view.tokens {
+        return view;
+    }
+    let l = view.layout;
+    let pb = if l.shared_params() {
+        l.param_bytes(tokens)
+    } else {
+        l.head_param_bytes(tokens)
+    };
+    PackedHead {
+        layout: l,
+        tokens,
+        codes: &view.codes[..l.head_code_bytes(tokens)],
+        params: &view.params[..pb],
+    }
+}
+
+/// Logits against full-precision rows (`rows` stride `width`, head at
+/// `off`): `out[i·vis + pos0 + t] = q_i · row_t`.
+#[allow(clippy::too_many_arguments)]
+fn dense_scores(
+    data: &[f32],
+    width: usize,
+    off: usize,
+    hd: usize,
+    q: &[f32],
+    rows: usize,
+    pos0: usize,
+    n: usize,
+    vis: usize,
+    out: &mut [f32],
+) {
+    for t in 0..n {
+        let k = &data[t * width + off..t * width + off + hd];
+        for i in 0..rows {
+            out[i * vis + pos0 + t] = dot(&q[i * hd..(i + 1) * hd], k);
+        }
+    }
+}
+
+/// `dst_i += Σ_t p[i·vis + pos0 + t] · row_t`.
+#[allow(clippy::too_many_arguments)]
+fn dense_sum(
+    data: &[f32],
+    width: usize,
+    off: usize,
+    hd: usize,
+    p: &[f32],
+    rows: usize,
+    pos0: usize,
+    n: usize,
+    vis: usize,
+    dst: &mut [f32],
+) {
+    for t in 0..n {
+        let v = &data[t * width + off..t * width + off + hd];
+        for i in 0..rows {
+            let w = p[i * vis + pos0 + t];
+            if w != 0.0 {
+                axpy(w, v, &mut dst[i * hd..(i + 1) * hd]);
+            }
+        }
+    }
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let n8 = a.len() / 8 * 8;
+    for (x, y) in a[..n8].chunks_exact(8).zip(b[..n8].chunks_exact(8)) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let tail: f32 = a[n8..].iter().zip(&b[n8..]).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+#[inline]
+fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+fn softmax_in_place(x: &mut [f32]) {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut s = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        s += *v;
+    }
+    let inv = 1.0 / s;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// Plain dense attention of one position (f64 accumulation), the yardstick
+/// the cache is tested against: `q` `[n_q_heads·head_dim]`, `k`/`v`
+/// `[len, n_kv_heads·head_dim]`, returns `[n_q_heads·head_dim]`.
+///
+/// # Panics
+/// If the lengths do not fit the shape or `n_q_heads` is not a multiple of
+/// `n_kv_heads`.
+pub fn dense_attention(
+    q: &[f32],
+    n_q_heads: usize,
+    k: &[f32],
+    v: &[f32],
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let w = n_kv_heads * head_dim;
+    assert_eq!(q.len(), n_q_heads * head_dim);
+    assert_eq!(k.len(), v.len());
+    assert!(k.len() % w == 0 && n_q_heads % n_kv_heads == 0);
+    let len = k.len() / w;
+    let r = n_q_heads / n_kv_heads;
+    let mut out = vec![0f32; q.len()];
+    for i in 0..n_q_heads {
+        let h = i / r;
+        let qi = &q[i * head_dim..(i + 1) * head_dim];
+        let logits: Vec<f64> = (0..len)
+            .map(|t| {
+                let kt = &k[t * w + h * head_dim..t * w + (h + 1) * head_dim];
+                qi.iter().zip(kt).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64
+            })
+            .collect();
+        let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+        let s: f64 = e.iter().sum();
+        for c in 0..head_dim {
+            let acc: f64 = (0..len).map(|t| e[t] * v[t * w + h * head_dim + c] as f64).sum();
+            out[i * head_dim + c] = (acc / s) as f32;
+        }
+    }
+    out
+}
+
+/// The caches of all layers of a model; each layer may have its own schemes
+/// (per-layer mixed precision).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<LayerCache>,
+}
+
+impl KvCache {
+    /// One [`LayerCache`] per configuration.
+    ///
+    /// # Errors
+    /// As [`LayerCache::new`]; [`Error::InvalidShape`] for no layers.
+    pub fn new(configs: impl IntoIterator<Item = CacheConfig>) -> Result<Self> {
+        let layers = configs.into_iter().map(LayerCache::new).collect::<Result<Vec<_>>>()?;
+        if layers.is_empty() {
+            return Err(Error::InvalidShape {
+                op: "KvCache::new",
+                what: "a cache needs at least one layer".into(),
+            });
+        }
+        Ok(KvCache { layers })
+    }
+    /// `n_layers` layers with the same configuration.
+    ///
+    /// # Errors
+    /// As [`KvCache::new`].
+    pub fn uniform(n_layers: usize, cfg: CacheConfig) -> Result<Self> {
+        Self::new(std::iter::repeat_n(cfg, n_layers))
+    }
+    /// Number of layers.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+    /// Layer `i`.
+    ///
+    /// # Panics
+    /// If `i >= n_layers()`.
+    pub fn layer(&self, i: usize) -> &LayerCache {
+        &self.layers[i]
+    }
+    /// Layer `i`, mutable.
+    ///
+    /// # Panics
+    /// If `i >= n_layers()`.
+    pub fn layer_mut(&mut self, i: usize) -> &mut LayerCache {
+        &mut self.layers[i]
+    }
+    /// All layers.
+    pub fn layers(&self) -> &[LayerCache] {
+        &self.layers
+    }
+    /// Bytes held by all layers.
+    pub fn bytes(&self) -> CacheBytes {
+        self.layers.iter().map(LayerCache::bytes).fold(CacheBytes::default(), |a, b| a + b)
+    }
+    /// Bits per cached element over all layers (0 when empty).
+    pub fn effective_bits(&self) -> f64 {
+        let elems: usize = self
+            .layers
+            .iter()
+            .map(|l| 2 * l.len() * l.cfg.n_kv_heads * l.cfg.head_dim)
+            .sum();
+        if elems == 0 {
+            0.0
+        } else {
+            8.0 * self.bytes().total() as f64 / elems as f64
+        }
+    }
+    /// Forget all tokens in every layer.
+    pub fn clear(&mut self) {
+        self.layers.iter_mut().for_each(LayerCache::clear);
+    }
+}

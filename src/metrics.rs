@@ -1,0 +1,1 @@
+//! Error measured where the cache is used (work in progress).

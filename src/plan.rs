@@ -1,0 +1,1 @@
+//! Memory model and K/V bit-budget planner (work in progress).

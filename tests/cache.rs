@@ -1,0 +1,438 @@
+//! The streaming cache: placement of tokens, fused attention against dense
+//! attention, GQA, all-or-nothing appends, accounting.
+
+use half::f16;
+use kvq::cache::dense_attention;
+use kvq::{Axis, CacheConfig, Error, Group, KvCache, LayerCache, Mode, QuantScheme, ScaleFormat};
+
+/// Deterministic xorshift values in [-1, 1).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+fn scheme(bits: u8, axis: Axis, group: Group) -> QuantScheme {
+    QuantScheme::new(bits, axis, group).unwrap()
+}
+
+fn kivi(bits: u8) -> (QuantScheme, QuantScheme) {
+    kvq::presets::kivi(bits).unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Fill a cache with `len` random tokens; returns the raw K and V.
+fn fill(cache: &mut LayerCache, len: usize, rng: &mut Rng) -> (Vec<f32>, Vec<f32>) {
+    let w = cache.config().n_kv_heads() * cache.config().head_dim();
+    let (mut ks, mut vs) = (Vec::new(), Vec::new());
+    for _ in 0..len {
+        let k = rng.vec(w);
+        let v = rng.vec(w);
+        cache.append(&k, &v).unwrap();
+        ks.extend(k);
+        vs.extend(v);
+    }
+    (ks, vs)
+}
+
+#[test]
+fn full_precision_window_equals_dense() {
+    let (n_kv, hd) = (2, 64);
+    let (k, v) = kivi(4);
+    let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(300);
+    let mut c = LayerCache::new(cfg).unwrap();
+    let mut rng = Rng(7);
+    let (ks, vs) = fill(&mut c, 200, &mut rng);
+    assert_eq!(c.packed_len(), (0, 0));
+    assert_eq!(c.keys_f32(), ks);
+    let q = rng.vec(4 * hd);
+    let mut out = vec![0.0; 4 * hd];
+    c.attend(&q, 4, &mut out).unwrap();
+    let want = dense_attention(&q, 4, &ks, &vs, n_kv, hd, 1.0 / 8.0);
+    assert!(max_abs_diff(&out, &want) < 2e-6, "{}", max_abs_diff(&out, &want));
+}
+
+#[test]
+fn eight_bit_is_close_to_dense() {
+    let (n_kv, hd) = (4, 128);
+    for axis in [Axis::PerToken, Axis::PerChannel] {
+        let s = scheme(8, axis, Group::Size(32));
+        let cfg = CacheConfig::new(n_kv, hd).keys(s).values(scheme(8, Axis::PerToken, Group::Size(32)));
+        let mut c = LayerCache::new(cfg).unwrap();
+        let mut rng = Rng(11);
+        let (ks, vs) = fill(&mut c, 257, &mut rng);
+        let q = rng.vec(8 * hd);
+        let mut out = vec![0.0; 8 * hd];
+        c.attend(&q, 8, &mut out).unwrap();
+        let want = dense_attention(&q, 8, &ks, &vs, n_kv, hd, 1.0 / (hd as f32).sqrt());
+        let d = max_abs_diff(&out, &want);
+        assert!(d < 5e-3, "{axis:?}: {d}");
+        // And 2 bits is clearly worse: the test can tell quantization apart.
+        let s2 = scheme(2, axis, Group::Size(32));
+        let cfg = CacheConfig::new(n_kv, hd).keys(s2).values(scheme(2, Axis::PerToken, Group::Size(32)));
+        let mut c2 = LayerCache::new(cfg).unwrap();
+        c2.extend(&ks, &vs).unwrap();
+        let mut out2 = vec![0.0; 8 * hd];
+        c2.attend(&q, 8, &mut out2).unwrap();
+        assert!(max_abs_diff(&out2, &want) > 4.0 * d);
+    }
+}
+
+#[test]
+fn streaming_equals_bulk_extend() {
+    let (n_kv, hd) = (3, 64);
+    let mut rng = Rng(5);
+    let configs = [
+        {
+            let (k, v) = kivi(2);
+            CacheConfig::new(n_kv, hd).keys(k).values(v).residual(16).sinks(3)
+        },
+        CacheConfig::new(n_kv, hd)
+            .keys(scheme(3, Axis::PerToken, Group::Head))
+            .values(scheme(5, Axis::PerToken, Group::Vector)),
+        CacheConfig::new(n_kv, hd)
+            .keys(scheme(4, Axis::PerChannel, Group::Size(8)).with_scale_format(ScaleFormat::Bf16))
+            .values(scheme(6, Axis::PerToken, Group::Size(16)).with_mode(Mode::Symmetric).unwrap())
+            .residual(5),
+    ];
+    for cfg in configs {
+        let w = n_kv * hd;
+        let len = 133;
+        let ks = rng.vec(len * w);
+        let vs = rng.vec(len * w);
+        let mut a = LayerCache::new(cfg).unwrap();
+        for t in 0..len {
+            a.append(&ks[t * w..(t + 1) * w], &vs[t * w..(t + 1) * w]).unwrap();
+        }
+        let mut b = LayerCache::new(cfg).unwrap();
+        b.extend(&ks, &vs).unwrap();
+        assert!(a == b, "{cfg:?}");
+        assert_eq!(a.bytes(), b.bytes());
+        // Mixed: a prefix in bulk, the rest streamed.
+        let mut c = LayerCache::new(cfg).unwrap();
+        c.extend(&ks[..50 * w], &vs[..50 * w]).unwrap();
+        c.extend(&ks[50 * w..], &vs[50 * w..]).unwrap();
+        assert!(a == c);
+    }
+}
+
+#[test]
+fn gqa_equals_per_head() {
+    let (n_kv, hd) = (2, 64);
+    let (k, v) = kivi(4);
+    let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(32).sinks(2);
+    let mut c = LayerCache::new(cfg).unwrap();
+    let mut rng = Rng(9);
+    fill(&mut c, 300, &mut rng);
+    let (kd, vd) = (c.keys_f32(), c.values_f32());
+    for r in [1usize, 2, 3, 8] {
+        let n_q = n_kv * r;
+        let q = rng.vec(n_q * hd);
+        let mut out = vec![0.0; n_q * hd];
+        c.attend(&q, n_q, &mut out).unwrap();
+        // Each query head alone (as MHA over its KV head) gives the same.
+        for i in 0..n_q {
+            let h = i / r;
+            let mut qi = vec![0.0; n_kv * hd];
+            qi[h * hd..(h + 1) * hd].copy_from_slice(&q[i * hd..(i + 1) * hd]);
+            let mut oi = vec![0.0; n_kv * hd];
+            c.attend(&qi, n_kv, &mut oi).unwrap();
+            let d = max_abs_diff(&out[i * hd..(i + 1) * hd], &oi[h * hd..(h + 1) * hd]);
+            assert!(d < 1e-6, "r {r} head {i}: {d}");
+        }
+        let want = dense_attention(&q, n_q, &kd, &vd, n_kv, hd, 0.125);
+        assert!(max_abs_diff(&out, &want) < 1e-5);
+    }
+}
+
+#[test]
+fn per_channel_flush_across_block_boundaries() {
+    let (n_kv, hd, g, r) = (2, 32, 32, 16);
+    let (ks, vs) = (
+        scheme(3, Axis::PerChannel, Group::Size(g)),
+        scheme(3, Axis::PerToken, Group::Size(16)),
+    );
+    for len in [g - 1, g, g + 1, 3 * g + r - 1, 3 * g + r, 3 * g + r + 1] {
+        for (res, sinks) in [(0, 0), (r, 0), (r, 4)] {
+            let cfg = CacheConfig::new(n_kv, hd).keys(ks).values(vs).residual(res).sinks(sinks);
+            let mut c = LayerCache::new(cfg).unwrap();
+            let mut rng = Rng(len as u64 + 1);
+            let (kr, vr) = fill(&mut c, len, &mut rng);
+            let after_sinks = len.saturating_sub(sinks);
+            let (pk, pv) = c.packed_len();
+            // Keys: whole blocks only, at least `res` newest kept exact.
+            let want_pk = if after_sinks >= res + g { (after_sinks - res) / g * g } else { 0 };
+            assert_eq!(pk, want_pk, "len {len} res {res}");
+            assert_eq!(pv, after_sinks.saturating_sub(res));
+            let kd = c.keys_f32();
+            let w = n_kv * hd;
+            // Sinks and unpacked tail are exact.
+            assert_eq!(&kd[..sinks.min(len) * w], &kr[..sinks.min(len) * w]);
+            let tail0 = (sinks + pk).min(len) * w;
+            assert_eq!(&kd[tail0..], &kr[tail0..]);
+            if pk > 0 {
+                assert_ne!(&kd[sinks * w..tail0], &kr[sinks * w..tail0]);
+            }
+            let q = rng.vec(2 * n_kv * hd);
+            let mut out = vec![0.0; q.len()];
+            c.attend(&q, 2 * n_kv, &mut out).unwrap();
+            let want = dense_attention(&q, 2 * n_kv, &kd, &c.values_f32(), n_kv, hd, 1.0 / (hd as f32).sqrt());
+            assert!(max_abs_diff(&out, &want) < 1e-5, "len {len}");
+            let _ = vr;
+        }
+    }
+}
+
+#[test]
+fn sinks_stay_exact() {
+    let (n_kv, hd) = (1, 64);
+    let cfg = CacheConfig::new(n_kv, hd)
+        .keys(scheme(2, Axis::PerToken, Group::Size(32)))
+        .values(scheme(2, Axis::PerToken, Group::Size(32)))
+        .sinks(4);
+    let mut c = LayerCache::new(cfg).unwrap();
+    let mut rng = Rng(3);
+    let (ks, _) = fill(&mut c, 40, &mut rng);
+    let kd = c.keys_f32();
+    assert_eq!(&kd[..4 * hd], &ks[..4 * hd]);
+    assert_ne!(&kd[4 * hd..5 * hd], &ks[4 * hd..5 * hd]);
+}
+
+#[test]
+fn rejected_appends_leave_cache_untouched() {
+    let (n_kv, hd) = (2, 64);
+    for (k, v) in [kivi(4), (scheme(4, Axis::PerToken, Group::Head), scheme(1, Axis::PerChannel, Group::Size(8)))] {
+        let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(8).sinks(1);
+        let mut c = LayerCache::new(cfg).unwrap();
+        let mut rng = Rng(1);
+        fill(&mut c, 45, &mut rng);
+        let before = c.clone();
+        let w = n_kv * hd;
+        let good = rng.vec(w);
+
+        let mut bad = good.clone();
+        bad[w - 3] = f32::NAN;
+        let e = c.append(&bad, &good).unwrap_err();
+        assert!(matches!(e, Error::NonFinite { token: 0, head: 1, channel: 61, .. }), "{e}");
+        assert!(c == before);
+        let e = c.append(&good, &bad).unwrap_err();
+        assert!(e.to_string().contains("non-finite"), "{e}");
+        assert!(c == before);
+
+        // Wrong lengths.
+        assert!(matches!(c.append(&good[..w - 1], &good[..w - 1]), Err(Error::Length { .. })));
+        assert!(matches!(c.append(&good, &good[..w - 8]), Err(Error::Length { .. })));
+        assert!(c == before);
+
+        // A bad token in the middle of a bulk extend rejects the whole call.
+        let mut ks = rng.vec(10 * w);
+        let vs = rng.vec(10 * w);
+        ks[6 * w + 5] = f32::INFINITY;
+        let e = c.extend(&ks, &vs).unwrap_err();
+        assert!(matches!(e, Error::NonFinite { token: 6, head: 0, channel: 5, .. }), "{e}");
+        assert!(c == before);
+
+        // A value whose scale does not fit f16.
+        let mut huge = good.clone();
+        huge[0] = 1.0e5;
+        huge[1] = -1.0e5;
+        let e = c.append(&huge, &huge).unwrap_err();
+        assert!(matches!(e, Error::ScaleOverflow { .. }), "{e}");
+        assert!(c == before);
+        assert_eq!(c.len(), 45);
+        c.append(&good, &good).unwrap();
+        assert_eq!(c.len(), 46);
+    }
+}
+
+#[test]
+fn per_channel_overflow_is_caught_at_append() {
+    // Each token fits f16 alone; together in one 1-bit channel block they
+    // would need a scale of 130000: the second append must fail, not a
+    // later flush.
+    let s = scheme(1, Axis::PerChannel, Group::Size(8));
+    let mut c = LayerCache::new(CacheConfig::new(1, 8).keys(s).values(s)).unwrap();
+    let a = [65000.0f32; 8];
+    let b = [-65000.0f32; 8];
+    c.append(&a, &a).unwrap();
+    let before = c.clone();
+    assert!(matches!(c.append(&b, &a), Err(Error::ScaleOverflow { .. })));
+    assert!(c == before);
+}
+
+#[test]
+fn half_inputs_match_f32() {
+    let (n_kv, hd) = (2, 64);
+    let (k, v) = kivi(4);
+    let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(4);
+    let mut rng = Rng(17);
+    let ks: Vec<f16> = rng.vec(70 * n_kv * hd).into_iter().map(f16::from_f32).collect();
+    let vs: Vec<f16> = rng.vec(70 * n_kv * hd).into_iter().map(f16::from_f32).collect();
+    let mut a = LayerCache::new(cfg).unwrap();
+    a.extend(&ks, &vs).unwrap();
+    let mut b = LayerCache::new(cfg).unwrap();
+    let kf: Vec<f32> = ks.iter().map(|x| x.to_f32()).collect();
+    let vf: Vec<f32> = vs.iter().map(|x| x.to_f32()).collect();
+    b.extend(&kf, &vf).unwrap();
+    assert!(a == b);
+}
+
+#[test]
+fn causal_block_attention_and_window() {
+    let (n_kv, hd, n_q) = (2, 32, 4);
+    let (k, v) = kivi(4);
+    let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(8);
+    let mut c = LayerCache::new(cfg).unwrap();
+    let mut rng = Rng(21);
+    fill(&mut c, 100, &mut rng);
+    let w = n_kv * hd;
+    let n = 70;
+    c.extend(&rng.vec(n * w), &rng.vec(n * w)).unwrap();
+    let (kd, vd) = (c.keys_f32(), c.values_f32());
+    let q = rng.vec(n * n_q * hd);
+    for window in [None, Some(1), Some(17), Some(1000)] {
+        let mut out = vec![0.0; q.len()];
+        c.attend_causal(&q, n_q, &mut out, window).unwrap();
+        for j in 0..n {
+            let pos = c.len() - n + j;
+            let lo = window.map_or(0, |wn| (pos + 1).saturating_sub(wn));
+            let want = dense_attention(
+                &q[j * n_q * hd..(j + 1) * n_q * hd],
+                n_q,
+                &kd[lo * w..(pos + 1) * w],
+                &vd[lo * w..(pos + 1) * w],
+                n_kv,
+                hd,
+                1.0 / (hd as f32).sqrt(),
+            );
+            let d = max_abs_diff(&out[j * n_q * hd..(j + 1) * n_q * hd], &want);
+            assert!(d < 1e-5, "window {window:?} j {j}: {d}");
+        }
+    }
+    // The last position of a causal block is plain decode attention.
+    let mut out = vec![0.0; q.len()];
+    c.attend_causal(&q, n_q, &mut out, None).unwrap();
+    let mut last = vec![0.0; n_q * hd];
+    c.attend(&q[(n - 1) * n_q * hd..], n_q, &mut last).unwrap();
+    assert!(max_abs_diff(&out[(n - 1) * n_q * hd..], &last) < 1e-6);
+}
+
+#[test]
+fn attend_rejects_bad_input() {
+    let mut c = LayerCache::new(CacheConfig::new(2, 16)).unwrap();
+    let mut out = vec![0.0; 64];
+    assert!(matches!(c.attend(&[0.0f32; 64], 4, &mut out), Err(Error::InvalidShape { .. })));
+    c.append(&[0.5f32; 32], &[0.5f32; 32]).unwrap();
+    assert!(matches!(c.attend(&[0.0f32; 64], 3, &mut out), Err(Error::InvalidShape { .. })));
+    assert!(matches!(c.attend(&[0.0f32; 60], 4, &mut out), Err(Error::Length { .. })));
+    assert!(matches!(c.attend(&[0.0f32; 64], 4, &mut out[..32]), Err(Error::Length { .. })));
+    let mut q = [0.0f32; 64];
+    q[20] = f32::NAN;
+    assert!(matches!(c.attend(&q, 4, &mut out), Err(Error::NonFinite { head: 1, channel: 4, .. })));
+    let mut out2 = vec![0.0; 128];
+    assert!(matches!(
+        c.attend_causal(&[0.0f32; 128], 4, &mut out2, None),
+        Err(Error::InvalidShape { .. })
+    ));
+    assert!(matches!(
+        c.attend_causal(&[0.0f32; 64], 4, &mut out, Some(0)),
+        Err(Error::InvalidShape { .. })
+    ));
+    assert!(LayerCache::new(CacheConfig::new(0, 16)).is_err());
+    assert!(LayerCache::new(CacheConfig::new(2, 12)).is_err());
+    let e = LayerCache::new(CacheConfig::new(2, 64).keys(scheme(4, Axis::PerToken, Group::Size(48)))).unwrap_err();
+    assert!(e.to_string().contains("48"));
+}
+
+#[test]
+fn accounting_matches_schemes() {
+    let (n_kv, hd) = (4, 128);
+    let (k, v) = (scheme(4, Axis::PerChannel, Group::Size(32)), scheme(2, Axis::PerToken, Group::Size(64)));
+    let (lk, lv) = (k.layout(n_kv, hd).unwrap(), v.layout(n_kv, hd).unwrap());
+    let mut c = LayerCache::new(CacheConfig::new(n_kv, hd).keys(k).values(v)).unwrap();
+    let mut rng = Rng(2);
+    fill(&mut c, 1024, &mut rng);
+    let b = c.bytes();
+    assert_eq!(b.full_precision, 0);
+    assert_eq!(b.codes + b.params, lk.bytes(1024) + lv.bytes(1024));
+    let want = (lk.effective_bits() + lv.effective_bits()) / 2.0;
+    assert!((c.effective_bits() - want).abs() < 1e-12, "{} vs {want}", c.effective_bits());
+
+    // With a residual window and sinks, the overhead fades with length.
+    let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(128).sinks(4);
+    let mut c = LayerCache::new(cfg).unwrap();
+    fill(&mut c, 4000, &mut rng);
+    let b = c.bytes();
+    let (pk, pv) = c.packed_len();
+    assert_eq!(b.codes + b.params, lk.bytes(pk) + lv.bytes(pv));
+    assert_eq!(b.full_precision, ((4000 - pk) + (4000 - pv)) * n_kv * hd * 4);
+    assert!(c.effective_bits() > want && c.effective_bits() < want + 1.5);
+
+    let mut kv = KvCache::new([
+        CacheConfig::new(n_kv, hd).keys(k).values(v),
+        CacheConfig::new(n_kv, hd).keys(scheme(8, Axis::PerToken, Group::Size(32))).values(v),
+    ])
+    .unwrap();
+    for l in 0..2 {
+        let w = n_kv * hd;
+        kv.layer_mut(l).extend(&rng.vec(64 * w), &rng.vec(64 * w)).unwrap();
+    }
+    let l8 = scheme(8, Axis::PerToken, Group::Size(32)).layout(n_kv, hd).unwrap();
+    assert_eq!(kv.bytes().total(), lk.bytes(64) + 2 * lv.bytes(64) + l8.bytes(64));
+    kv.clear();
+    assert_eq!(kv.bytes().total(), 0);
+    assert_eq!(kv.effective_bits(), 0.0);
+}
+
+#[test]
+fn threads_do_not_change_results() {
+    let (n_kv, hd) = (8, 64);
+    let (k, v) = kivi(4);
+    let mut rng = Rng(4);
+    let mut a = LayerCache::new(CacheConfig::new(n_kv, hd).keys(k).values(v).threads(1)).unwrap();
+    let (ks, vs) = fill(&mut a, 3000, &mut rng);
+    let mut b = LayerCache::new(CacheConfig::new(n_kv, hd).keys(k).values(v).threads(2)).unwrap();
+    b.extend(&ks, &vs).unwrap();
+    let q = rng.vec(16 * hd);
+    let (mut oa, mut ob) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+    a.attend(&q, 16, &mut oa).unwrap();
+    b.attend(&q, 16, &mut ob).unwrap();
+    assert_eq!(oa, ob);
+}
+
+#[test]
+fn every_backend_gives_the_same_attention() {
+    let (n_kv, hd) = (2, 128);
+    let (k, v) = kivi(2);
+    let mut rng = Rng(8);
+    let w = n_kv * hd;
+    let (ks, vs) = (rng.vec(500 * w), rng.vec(500 * w));
+    let q = rng.vec(4 * hd);
+    let mut base: Option<Vec<f32>> = None;
+    for &bk in kvq::Backend::ALL {
+        if !bk.is_available() {
+            println!("skipping backend {}: not supported by this CPU", bk.name());
+            continue;
+        }
+        let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(64).backend(bk);
+        let mut c = LayerCache::new(cfg).unwrap();
+        c.extend(&ks, &vs).unwrap();
+        let mut out = vec![0.0; q.len()];
+        c.attend(&q, 4, &mut out).unwrap();
+        match &base {
+            None => base = Some(out),
+            Some(b) => assert!(max_abs_diff(b, &out) < 1e-5, "{}", bk.name()),
+        }
+    }
+}
