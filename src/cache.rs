@@ -278,6 +278,15 @@ impl Tensor {
     ) -> Result<()> {
         let Some(l) = self.layout else { return Ok(()) };
         let s = l.scheme();
+        let pc = s.axis() == Axis::PerChannel;
+        // Common case: every value is small enough that no scale can
+        // overflow; only the per-channel running range needs updating.
+        if crate::quant::abs_max(rows) <= crate::quant::safe_abs(s.scale_format()) {
+            if pc {
+                self.advance_pending(rows, pos0, pend);
+            }
+            return Ok(());
+        }
         let hd = l.head_dim();
         let ovf = |w: &'static str, v: f32, t: usize, h: usize, g: usize| Error::ScaleOverflow {
             op: what,
@@ -297,9 +306,7 @@ impl Tensor {
                 Axis::PerToken => {
                     let gl = l.channels_per_group();
                     for (j, g) in row.chunks_exact(gl.min(self.width)).enumerate() {
-                        let (mn, mx) = g
-                            .iter()
-                            .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
+                        let (mn, mx) = crate::quant::min_max(g);
                         group_params(s, mn, mx).map_err(|(w, v)| {
                             let gph = (hd / gl).max(1);
                             ovf(w, v, i, j / gph, j % gph)
@@ -324,6 +331,27 @@ impl Tensor {
             }
         }
         Ok(())
+    }
+
+    /// Per-channel: fold `rows` into the running min/max of their blocks.
+    fn advance_pending(&self, rows: &[f32], pos0: usize, pend: &mut (Vec<f32>, Vec<f32>)) {
+        let g = self.layout.map_or(1, |l| l.group_len());
+        let (mn, mx) = pend;
+        for (i, row) in rows.chunks_exact(self.width).enumerate() {
+            let pos = pos0 + i;
+            if pos < self.sinks {
+                continue;
+            }
+            if (pos - self.sinks) % g == 0 {
+                mn.copy_from_slice(row);
+                mx.copy_from_slice(row);
+            } else {
+                for ((lo, hi), &v) in mn.iter_mut().zip(mx.iter_mut()).zip(row) {
+                    *lo = if v < *lo { v } else { *lo };
+                    *hi = if v > *hi { v } else { *hi };
+                }
+            }
+        }
     }
 
     /// Store one checked row at position `pos`.
@@ -393,8 +421,15 @@ impl Tensor {
         if self.packed == 0 {
             return None;
         }
-        let p = if l.shared_params() { &self.params[0] } else { &self.params[h] };
-        Some(PackedHead::new(l, self.packed, &self.codes[h], p).expect("cache keeps consistent buffers"))
+        let p = if l.shared_params() {
+            &self.params[0]
+        } else {
+            &self.params[h]
+        };
+        Some(
+            PackedHead::new(l, self.packed, &self.codes[h], p)
+                .expect("cache keeps consistent buffers"),
+        )
     }
 
     fn bytes(&self) -> CacheBytes {
@@ -476,7 +511,10 @@ impl LayerCache {
     /// not fit `head_dim` (see [`QuantScheme::layout`]).
     pub fn new(cfg: CacheConfig) -> Result<Self> {
         check_shape("LayerCache::new", cfg.n_kv_heads, cfg.head_dim)?;
-        let lay = |s: Option<QuantScheme>| s.map(|s| s.layout(cfg.n_kv_heads, cfg.head_dim)).transpose();
+        let lay = |s: Option<QuantScheme>| {
+            s.map(|s| s.layout(cfg.n_kv_heads, cfg.head_dim))
+                .transpose()
+        };
         let (lk, lv) = (lay(cfg.keys)?, lay(cfg.values)?);
         let threads = match cfg.threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -632,7 +670,9 @@ impl LayerCache {
         if n_q_heads == 0 || n_q_heads % n_kv != 0 {
             return Err(Error::InvalidShape {
                 op,
-                what: format!("n_q_heads {n_q_heads} is not a positive multiple of n_kv_heads {n_kv}"),
+                what: format!(
+                    "n_q_heads {n_q_heads} is not a positive multiple of n_kv_heads {n_kv}"
+                ),
             });
         }
         if self.len == 0 {
@@ -753,7 +793,15 @@ impl LayerCache {
 
     /// Attention of KV head `h` for `n` positions × `r` query heads (`qh` is
     /// `[n, r, hd]`, pre-scaled); writes `[n, r, hd]` into `dst`.
-    fn head_attention(&self, h: usize, qh: &[f32], n: usize, r: usize, window: Option<usize>, dst: &mut [f32]) {
+    fn head_attention(
+        &self,
+        h: usize,
+        qh: &[f32],
+        n: usize,
+        r: usize,
+        window: Option<usize>,
+        dst: &mut [f32],
+    ) {
         let hd = self.cfg.head_dim;
         let len = self.len;
         dst.fill(0.0);
@@ -782,19 +830,45 @@ impl LayerCache {
                     softmax_in_place(&mut row[lo..=pos]);
                 }
             }
-            self.v_sum(h, &scores, rows, vis, &mut dst[j0 * r * hd..j1 * r * hd], &mut tmp);
+            self.v_sum(
+                h,
+                &scores,
+                rows,
+                vis,
+                &mut dst[j0 * r * hd..j1 * r * hd],
+                &mut tmp,
+            );
             j0 = j1;
         }
     }
 
     /// Logits `[rows, vis]` of `rows` queries against positions `0..vis`.
-    fn k_scores(&self, h: usize, q: &[f32], rows: usize, vis: usize, out: &mut [f32], tmp: &mut Vec<f32>) {
+    fn k_scores(
+        &self,
+        h: usize,
+        q: &[f32],
+        rows: usize,
+        vis: usize,
+        out: &mut [f32],
+        tmp: &mut Vec<f32>,
+    ) {
         let t = &self.k;
         let hd = self.cfg.head_dim;
         let mut pos = 0;
         // Sinks, then packed, then the full-precision tail.
         let n_sink = t.sink.len() / t.width;
-        dense_scores(&t.sink, t.width, h * hd, hd, q, rows, 0, n_sink.min(vis), vis, out);
+        dense_scores(
+            &t.sink,
+            t.width,
+            h * hd,
+            hd,
+            q,
+            rows,
+            0,
+            n_sink.min(vis),
+            vis,
+            out,
+        );
         pos += n_sink;
         if pos >= vis {
             return;
@@ -814,15 +888,45 @@ impl LayerCache {
             return;
         }
         let nt = t.tail_rows().min(vis - pos);
-        dense_scores(t.tail_slice(), t.width, h * hd, hd, q, rows, pos, nt, vis, out);
+        dense_scores(
+            t.tail_slice(),
+            t.width,
+            h * hd,
+            hd,
+            q,
+            rows,
+            pos,
+            nt,
+            vis,
+            out,
+        );
     }
 
     /// `dst[rows, hd] += p[rows, vis] · V[0..vis]`.
-    fn v_sum(&self, h: usize, p: &[f32], rows: usize, vis: usize, dst: &mut [f32], tmp: &mut Vec<f32>) {
+    fn v_sum(
+        &self,
+        h: usize,
+        p: &[f32],
+        rows: usize,
+        vis: usize,
+        dst: &mut [f32],
+        tmp: &mut Vec<f32>,
+    ) {
         let t = &self.v;
         let hd = self.cfg.head_dim;
         let n_sink = t.sink.len() / t.width;
-        dense_sum(&t.sink, t.width, h * hd, hd, p, rows, 0, n_sink.min(vis), vis, dst);
+        dense_sum(
+            &t.sink,
+            t.width,
+            h * hd,
+            hd,
+            p,
+            rows,
+            0,
+            n_sink.min(vis),
+            vis,
+            dst,
+        );
         let mut pos = n_sink;
         if pos >= vis {
             return;
@@ -835,14 +939,26 @@ impl LayerCache {
             for i in 0..rows {
                 tmp[i * np..(i + 1) * np].copy_from_slice(&p[i * vis + pos..i * vis + pos + np]);
             }
-            kernels::weighted_sum_on(self.backend, &view, tmp, dst).expect("lengths are consistent");
+            kernels::weighted_sum_on(self.backend, &view, tmp, dst)
+                .expect("lengths are consistent");
             pos += t.packed;
         }
         if pos >= vis {
             return;
         }
         let nt = t.tail_rows().min(vis - pos);
-        dense_sum(t.tail_slice(), t.width, h * hd, hd, p, rows, pos, nt, vis, dst);
+        dense_sum(
+            t.tail_slice(),
+            t.width,
+            h * hd,
+            hd,
+            p,
+            rows,
+            pos,
+            nt,
+            vis,
+            dst,
+        );
     }
 }
 
@@ -979,14 +1095,20 @@ pub fn dense_attention(
         let logits: Vec<f64> = (0..len)
             .map(|t| {
                 let kt = &k[t * w + h * head_dim..t * w + (h + 1) * head_dim];
-                qi.iter().zip(kt).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64
+                qi.iter()
+                    .zip(kt)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>()
+                    * scale as f64
             })
             .collect();
         let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
         let s: f64 = e.iter().sum();
         for c in 0..head_dim {
-            let acc: f64 = (0..len).map(|t| e[t] * v[t * w + h * head_dim + c] as f64).sum();
+            let acc: f64 = (0..len)
+                .map(|t| e[t] * v[t * w + h * head_dim + c] as f64)
+                .sum();
             out[i * head_dim + c] = (acc / s) as f32;
         }
     }
@@ -1006,7 +1128,10 @@ impl KvCache {
     /// # Errors
     /// As [`LayerCache::new`]; [`Error::InvalidShape`] for no layers.
     pub fn new(configs: impl IntoIterator<Item = CacheConfig>) -> Result<Self> {
-        let layers = configs.into_iter().map(LayerCache::new).collect::<Result<Vec<_>>>()?;
+        let layers = configs
+            .into_iter()
+            .map(LayerCache::new)
+            .collect::<Result<Vec<_>>>()?;
         if layers.is_empty() {
             return Err(Error::InvalidShape {
                 op: "KvCache::new",
@@ -1046,7 +1171,10 @@ impl KvCache {
     }
     /// Bytes held by all layers.
     pub fn bytes(&self) -> CacheBytes {
-        self.layers.iter().map(LayerCache::bytes).fold(CacheBytes::default(), |a, b| a + b)
+        self.layers
+            .iter()
+            .map(LayerCache::bytes)
+            .fold(CacheBytes::default(), |a, b| a + b)
     }
     /// Bits per cached element over all layers (0 when empty).
     pub fn effective_bits(&self) -> f64 {

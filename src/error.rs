@@ -85,6 +85,17 @@ pub enum Error {
         group: usize,
     },
 
+    /// An argument that is neither a shape nor a scheme is out of range: a
+    /// softmax scale that is not a positive number, `top_k = 0`, an empty
+    /// list of candidate schemes, a bit budget that nothing fits in…
+    #[error("{op}: {what}")]
+    InvalidArgument {
+        /// The operation that checked it.
+        op: &'static str,
+        /// What is wrong.
+        what: String,
+    },
+
     /// Bytes from outside (a serialized block) are malformed.
     #[error("{op}: malformed bytes: {what}")]
     Malformed {

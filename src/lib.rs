@@ -27,9 +27,9 @@
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod cache;
 pub mod element;
 pub mod error;
-pub mod cache;
 pub mod kernels;
 pub mod metrics;
 pub mod pack;
@@ -38,10 +38,15 @@ pub mod quant;
 pub mod scheme;
 pub mod store;
 
+pub use cache::{CacheBytes, CacheConfig, KvCache, LayerCache};
 pub use element::Element;
 pub use error::{Error, Result};
-pub use cache::{CacheBytes, CacheConfig, KvCache, LayerCache};
 pub use kernels::Backend;
 pub use quant::{KvQuantizer, UniformQuantizer};
 pub use scheme::{presets, Axis, Group, Layout, Mode, QuantScheme, ScaleFormat};
 pub use store::{PackedBlock, PackedHead};
+
+/// The code blocks of `docs/INTEGRATION.md`, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/INTEGRATION.md")]
+pub struct IntegrationGuideDoctests;

@@ -62,8 +62,14 @@ pub const fn planes(bits: u8) -> ([(u8, u8); 3], usize) {
 
 #[track_caller]
 fn check(n: usize, bits: u8, packed: usize) {
-    assert!((1..=8).contains(&bits), "pack: bits must be 1..=8, got {bits}");
-    assert!(n % 8 == 0, "pack: row length must be a multiple of 8, got {n}");
+    assert!(
+        (1..=8).contains(&bits),
+        "pack: bits must be 1..=8, got {bits}"
+    );
+    assert!(
+        n % 8 == 0,
+        "pack: row length must be a multiple of 8, got {n}"
+    );
     assert_eq!(
         packed,
         packed_len(n, bits),

@@ -215,6 +215,13 @@ pub(crate) fn check_finite(
     head_dim: usize,
     token0: usize,
 ) -> Result<()> {
+    // Fast scan in chunks (vectorizes), then find the first culprit.
+    let all_finite = x
+        .chunks(256)
+        .all(|c| c.iter().fold(true, |ok, v| ok & v.is_finite()));
+    if all_finite {
+        return Ok(());
+    }
     if let Some(i) = x.iter().position(|v| !v.is_finite()) {
         let width = n_heads * head_dim;
         return Err(Error::NonFinite {
@@ -263,10 +270,21 @@ pub(crate) fn group_params(
     }
 }
 
-/// The code of `x` given stored `(scale, zero)`: nearest grid point.
+/// The code of `x` given stored `(scale, zero)`: nearest grid point
+/// (ties round up). Written without `round()` (a libm call on baseline
+/// x86-64) so that loops over it vectorize: clamp into `[0, max_code]`, then
+/// `+0.5` and truncate.
 #[inline(always)]
 pub(crate) fn code_of(x: f32, inv_scale: f32, zero: f32, max_code: f32) -> u8 {
-    ((x - zero) * inv_scale).round().clamp(0.0, max_code) as u8
+    (((x - zero) * inv_scale).max(0.0).min(max_code) + 0.5) as u8
+}
+
+/// Codes of a run of values sharing one `(scale, zero)`.
+#[inline]
+fn codes_into(xs: &[f32], inv_scale: f32, zero: f32, max_code: f32, out: &mut [u8]) {
+    for (c, &v) in out.iter_mut().zip(xs) {
+        *c = code_of(v, inv_scale, zero, max_code);
+    }
 }
 
 #[inline]
@@ -306,18 +324,15 @@ pub(crate) fn quantize_token(
     let sym = s.mode() == Mode::Symmetric;
     if l.shared_params() {
         let (mn, mx) = min_max(x);
-        let (scale, zero) = group_params(s, mn, mx).map_err(|(what, value)| {
-            overflow(fmt, what, value, token, 0, 0)
-        })?;
+        let (scale, zero) = group_params(s, mn, mx)
+            .map_err(|(what, value)| overflow(fmt, what, value, token, 0, 0))?;
         fmt.write(scale, &mut params[..fb]);
         if !sym {
             fmt.write(zero, &mut params[fb..2 * fb]);
         }
         let is = inv(scale);
         for h in 0..l.n_kv_heads() {
-            for (c, v) in tmp.iter_mut().zip(&x[h * hd..(h + 1) * hd]) {
-                *c = code_of(*v, is, zero, max_code);
-            }
+            codes_into(&x[h * hd..(h + 1) * hd], is, zero, max_code, tmp);
             let rb = l.row_bytes();
             crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
         }
@@ -337,10 +352,13 @@ pub(crate) fn quantize_token(
             if !sym {
                 fmt.write(zero, &mut ph[(gpr + g) * fb..(gpr + g + 1) * fb]);
             }
-            let is = inv(scale);
-            for (c, v) in tmp[g * gl..(g + 1) * gl].iter_mut().zip(xs) {
-                *c = code_of(*v, is, zero, max_code);
-            }
+            codes_into(
+                xs,
+                inv(scale),
+                zero,
+                max_code,
+                &mut tmp[g * gl..(g + 1) * gl],
+            );
         }
         let rb = l.row_bytes();
         crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
@@ -366,13 +384,13 @@ pub(crate) fn quantize_channel_block(
     let width = l.n_kv_heads() * hd;
     let max_code = ((1u32 << s.bits()) - 1) as f32;
     let sym = s.mode() == Mode::Symmetric;
-    let mut mins = vec![f32::INFINITY; hd];
-    let mut maxs = vec![f32::NEG_INFINITY; hd];
-    for t in 0..tb {
+    let mut mins = rows[h * hd..(h + 1) * hd].to_vec();
+    let mut maxs = mins.clone();
+    for t in 1..tb {
         let r = &rows[t * width + h * hd..t * width + (h + 1) * hd];
-        for c in 0..hd {
-            mins[c] = mins[c].min(r[c]);
-            maxs[c] = maxs[c].max(r[c]);
+        for ((lo, hi), &v) in mins.iter_mut().zip(maxs.iter_mut()).zip(r) {
+            *lo = if v < *lo { v } else { *lo };
+            *hi = if v > *hi { v } else { *hi };
         }
     }
     let mut inv_s = vec![0f32; hd];
@@ -391,8 +409,8 @@ pub(crate) fn quantize_channel_block(
     let mut tmp = vec![0u8; hd];
     for t in 0..tb {
         let r = &rows[t * width + h * hd..t * width + (h + 1) * hd];
-        for c in 0..hd {
-            tmp[c] = code_of(r[c], inv_s[c], zeros[c], max_code);
+        for (((c, &v), &is), &z) in tmp.iter_mut().zip(r).zip(&inv_s).zip(&zeros) {
+            *c = code_of(v, is, z, max_code);
         }
         crate::pack::pack(&tmp, s.bits(), &mut codes[t * rb..(t + 1) * rb]);
     }
@@ -418,9 +436,49 @@ fn overflow(
     }
 }
 
+/// Minimum and maximum of finite values (8 lanes, so it vectorizes).
 #[inline]
-fn min_max(x: &[f32]) -> (f32, f32) {
-    x.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
-        (a.min(v), b.max(v))
-    })
+pub(crate) fn min_max(x: &[f32]) -> (f32, f32) {
+    let mut lo = [f32::INFINITY; 8];
+    let mut hi = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for k in 0..8 {
+            lo[k] = if c[k] < lo[k] { c[k] } else { lo[k] };
+            hi[k] = if c[k] > hi[k] { c[k] } else { hi[k] };
+        }
+    }
+    for (k, &v) in rest.iter().enumerate() {
+        lo[k] = lo[k].min(v);
+        hi[k] = hi[k].max(v);
+    }
+    (
+        lo.iter().copied().fold(f32::INFINITY, f32::min),
+        hi.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+    )
+}
+
+/// Largest |x| below which no group of any scheme with this format can
+/// overflow its scale or zero (asymmetric: `zero ≥ −A`, `scale ≤ 2A`).
+pub(crate) fn safe_abs(fmt: ScaleFormat) -> f32 {
+    match fmt {
+        ScaleFormat::F16 => 30000.0,
+        ScaleFormat::Bf16 | ScaleFormat::F32 => 1.0e37,
+    }
+}
+
+/// Largest |x| of a slice (vectorizes).
+#[inline]
+pub(crate) fn abs_max(x: &[f32]) -> f32 {
+    let mut m = [0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for k in 0..8 {
+            let a = c[k].abs();
+            m[k] = if a > m[k] { a } else { m[k] };
+        }
+    }
+    rest.iter().chain(&m).fold(0f32, |a, &v| a.max(v.abs()))
 }

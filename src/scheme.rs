@@ -245,8 +245,8 @@ impl QuantScheme {
             (Axis::PerChannel, Group::Head | Group::Vector) => {
                 return Err(Error::InvalidScheme {
                     what: format!(
-                        "per-channel groups run along tokens: use Group::Size(tokens), not {group:?}"
-                    ),
+                    "per-channel groups run along tokens: use Group::Size(tokens), not {group:?}"
+                ),
                 })
             }
             _ => {}

@@ -50,7 +50,12 @@ impl PackedBlock {
     ) -> Result<Self> {
         let op = "PackedBlock::from_parts";
         crate::quant::check_len(op, "bytes of codes", layout.code_bytes(tokens), codes.len())?;
-        crate::quant::check_len(op, "bytes of params", layout.param_bytes(tokens), params.len())?;
+        crate::quant::check_len(
+            op,
+            "bytes of params",
+            layout.param_bytes(tokens),
+            params.len(),
+        )?;
         validate_params(op, &layout, &params)?;
         Ok(PackedBlock {
             layout,
@@ -88,7 +93,11 @@ impl PackedBlock {
     #[track_caller]
     pub fn head(&self, h: usize) -> PackedHead<'_> {
         let l = &self.layout;
-        assert!(h < l.n_kv_heads(), "head {h} out of range ({} heads)", l.n_kv_heads());
+        assert!(
+            h < l.n_kv_heads(),
+            "head {h} out of range ({} heads)",
+            l.n_kv_heads()
+        );
         let cb = l.head_code_bytes(self.tokens);
         let params = if l.shared_params() {
             &self.params[..]
@@ -111,7 +120,12 @@ impl PackedBlock {
     pub fn dequantize_into(&self, out: &mut [f32]) -> Result<()> {
         let l = &self.layout;
         let (nh, hd) = (l.n_kv_heads(), l.head_dim());
-        crate::quant::check_len("dequantize", "output values", self.tokens * nh * hd, out.len())?;
+        crate::quant::check_len(
+            "dequantize",
+            "output values",
+            self.tokens * nh * hd,
+            out.len(),
+        )?;
         let mut tmp = vec![0f32; self.tokens * hd];
         for h in 0..nh {
             self.head(h).dequantize_into(&mut tmp);
@@ -184,7 +198,10 @@ impl PackedBlock {
         let op = "PackedBlock::from_bytes";
         let bad = |what: String| Error::Malformed { op, what };
         if bytes.len() < HEADER_LEN {
-            return Err(bad(format!("{} bytes is shorter than the 32-byte header", bytes.len())));
+            return Err(bad(format!(
+                "{} bytes is shorter than the 32-byte header",
+                bytes.len()
+            )));
         }
         if &bytes[..4] != MAGIC {
             return Err(bad("magic is not \"KVQB\"".into()));
@@ -192,7 +209,9 @@ impl PackedBlock {
         if bytes[4] != VERSION {
             return Err(bad(format!("unsupported version {}", bytes[4])));
         }
-        let u32_at = |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]) as usize;
+        let u32_at = |i: usize| {
+            u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]) as usize
+        };
         let bits = bytes[5];
         let axis = match bytes[6] {
             0 => Axis::PerToken,
@@ -334,7 +353,12 @@ impl<'a> PackedHead<'a> {
     /// `tokens` tokens of one head.
     pub fn new(layout: Layout, tokens: usize, codes: &'a [u8], params: &'a [u8]) -> Result<Self> {
         let op = "PackedHead::new";
-        crate::quant::check_len(op, "bytes of codes", layout.head_code_bytes(tokens), codes.len())?;
+        crate::quant::check_len(
+            op,
+            "bytes of codes",
+            layout.head_code_bytes(tokens),
+            codes.len(),
+        )?;
         let pb = if layout.shared_params() {
             layout.param_bytes(tokens)
         } else {

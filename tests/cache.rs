@@ -29,7 +29,10 @@ fn kivi(bits: u8) -> (QuantScheme, QuantScheme) {
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Fill a cache with `len` random tokens; returns the raw K and V.
@@ -60,7 +63,11 @@ fn full_precision_window_equals_dense() {
     let mut out = vec![0.0; 4 * hd];
     c.attend(&q, 4, &mut out).unwrap();
     let want = dense_attention(&q, 4, &ks, &vs, n_kv, hd, 1.0 / 8.0);
-    assert!(max_abs_diff(&out, &want) < 2e-6, "{}", max_abs_diff(&out, &want));
+    assert!(
+        max_abs_diff(&out, &want) < 2e-6,
+        "{}",
+        max_abs_diff(&out, &want)
+    );
 }
 
 #[test]
@@ -68,7 +75,10 @@ fn eight_bit_is_close_to_dense() {
     let (n_kv, hd) = (4, 128);
     for axis in [Axis::PerToken, Axis::PerChannel] {
         let s = scheme(8, axis, Group::Size(32));
-        let cfg = CacheConfig::new(n_kv, hd).keys(s).values(scheme(8, Axis::PerToken, Group::Size(32)));
+        let cfg =
+            CacheConfig::new(n_kv, hd)
+                .keys(s)
+                .values(scheme(8, Axis::PerToken, Group::Size(32)));
         let mut c = LayerCache::new(cfg).unwrap();
         let mut rng = Rng(11);
         let (ks, vs) = fill(&mut c, 257, &mut rng);
@@ -80,7 +90,10 @@ fn eight_bit_is_close_to_dense() {
         assert!(d < 5e-3, "{axis:?}: {d}");
         // And 2 bits is clearly worse: the test can tell quantization apart.
         let s2 = scheme(2, axis, Group::Size(32));
-        let cfg = CacheConfig::new(n_kv, hd).keys(s2).values(scheme(2, Axis::PerToken, Group::Size(32)));
+        let cfg =
+            CacheConfig::new(n_kv, hd)
+                .keys(s2)
+                .values(scheme(2, Axis::PerToken, Group::Size(32)));
         let mut c2 = LayerCache::new(cfg).unwrap();
         c2.extend(&ks, &vs).unwrap();
         let mut out2 = vec![0.0; 8 * hd];
@@ -96,14 +109,22 @@ fn streaming_equals_bulk_extend() {
     let configs = [
         {
             let (k, v) = kivi(2);
-            CacheConfig::new(n_kv, hd).keys(k).values(v).residual(16).sinks(3)
+            CacheConfig::new(n_kv, hd)
+                .keys(k)
+                .values(v)
+                .residual(16)
+                .sinks(3)
         },
         CacheConfig::new(n_kv, hd)
             .keys(scheme(3, Axis::PerToken, Group::Head))
             .values(scheme(5, Axis::PerToken, Group::Vector)),
         CacheConfig::new(n_kv, hd)
             .keys(scheme(4, Axis::PerChannel, Group::Size(8)).with_scale_format(ScaleFormat::Bf16))
-            .values(scheme(6, Axis::PerToken, Group::Size(16)).with_mode(Mode::Symmetric).unwrap())
+            .values(
+                scheme(6, Axis::PerToken, Group::Size(16))
+                    .with_mode(Mode::Symmetric)
+                    .unwrap(),
+            )
             .residual(5),
     ];
     for cfg in configs {
@@ -113,7 +134,8 @@ fn streaming_equals_bulk_extend() {
         let vs = rng.vec(len * w);
         let mut a = LayerCache::new(cfg).unwrap();
         for t in 0..len {
-            a.append(&ks[t * w..(t + 1) * w], &vs[t * w..(t + 1) * w]).unwrap();
+            a.append(&ks[t * w..(t + 1) * w], &vs[t * w..(t + 1) * w])
+                .unwrap();
         }
         let mut b = LayerCache::new(cfg).unwrap();
         b.extend(&ks, &vs).unwrap();
@@ -131,7 +153,11 @@ fn streaming_equals_bulk_extend() {
 fn gqa_equals_per_head() {
     let (n_kv, hd) = (2, 64);
     let (k, v) = kivi(4);
-    let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(32).sinks(2);
+    let cfg = CacheConfig::new(n_kv, hd)
+        .keys(k)
+        .values(v)
+        .residual(32)
+        .sinks(2);
     let mut c = LayerCache::new(cfg).unwrap();
     let mut rng = Rng(9);
     fill(&mut c, 300, &mut rng);
@@ -165,14 +191,22 @@ fn per_channel_flush_across_block_boundaries() {
     );
     for len in [g - 1, g, g + 1, 3 * g + r - 1, 3 * g + r, 3 * g + r + 1] {
         for (res, sinks) in [(0, 0), (r, 0), (r, 4)] {
-            let cfg = CacheConfig::new(n_kv, hd).keys(ks).values(vs).residual(res).sinks(sinks);
+            let cfg = CacheConfig::new(n_kv, hd)
+                .keys(ks)
+                .values(vs)
+                .residual(res)
+                .sinks(sinks);
             let mut c = LayerCache::new(cfg).unwrap();
             let mut rng = Rng(len as u64 + 1);
             let (kr, vr) = fill(&mut c, len, &mut rng);
             let after_sinks = len.saturating_sub(sinks);
             let (pk, pv) = c.packed_len();
             // Keys: whole blocks only, at least `res` newest kept exact.
-            let want_pk = if after_sinks >= res + g { (after_sinks - res) / g * g } else { 0 };
+            let want_pk = if after_sinks >= res + g {
+                (after_sinks - res) / g * g
+            } else {
+                0
+            };
             assert_eq!(pk, want_pk, "len {len} res {res}");
             assert_eq!(pv, after_sinks.saturating_sub(res));
             let kd = c.keys_f32();
@@ -187,7 +221,15 @@ fn per_channel_flush_across_block_boundaries() {
             let q = rng.vec(2 * n_kv * hd);
             let mut out = vec![0.0; q.len()];
             c.attend(&q, 2 * n_kv, &mut out).unwrap();
-            let want = dense_attention(&q, 2 * n_kv, &kd, &c.values_f32(), n_kv, hd, 1.0 / (hd as f32).sqrt());
+            let want = dense_attention(
+                &q,
+                2 * n_kv,
+                &kd,
+                &c.values_f32(),
+                n_kv,
+                hd,
+                1.0 / (hd as f32).sqrt(),
+            );
             assert!(max_abs_diff(&out, &want) < 1e-5, "len {len}");
             let _ = vr;
         }
@@ -212,8 +254,18 @@ fn sinks_stay_exact() {
 #[test]
 fn rejected_appends_leave_cache_untouched() {
     let (n_kv, hd) = (2, 64);
-    for (k, v) in [kivi(4), (scheme(4, Axis::PerToken, Group::Head), scheme(1, Axis::PerChannel, Group::Size(8)))] {
-        let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(8).sinks(1);
+    for (k, v) in [
+        kivi(4),
+        (
+            scheme(4, Axis::PerToken, Group::Head),
+            scheme(1, Axis::PerChannel, Group::Size(8)),
+        ),
+    ] {
+        let cfg = CacheConfig::new(n_kv, hd)
+            .keys(k)
+            .values(v)
+            .residual(8)
+            .sinks(1);
         let mut c = LayerCache::new(cfg).unwrap();
         let mut rng = Rng(1);
         fill(&mut c, 45, &mut rng);
@@ -224,15 +276,32 @@ fn rejected_appends_leave_cache_untouched() {
         let mut bad = good.clone();
         bad[w - 3] = f32::NAN;
         let e = c.append(&bad, &good).unwrap_err();
-        assert!(matches!(e, Error::NonFinite { token: 0, head: 1, channel: 61, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::NonFinite {
+                    token: 0,
+                    head: 1,
+                    channel: 61,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         assert!(c == before);
         let e = c.append(&good, &bad).unwrap_err();
         assert!(e.to_string().contains("non-finite"), "{e}");
         assert!(c == before);
 
         // Wrong lengths.
-        assert!(matches!(c.append(&good[..w - 1], &good[..w - 1]), Err(Error::Length { .. })));
-        assert!(matches!(c.append(&good, &good[..w - 8]), Err(Error::Length { .. })));
+        assert!(matches!(
+            c.append(&good[..w - 1], &good[..w - 1]),
+            Err(Error::Length { .. })
+        ));
+        assert!(matches!(
+            c.append(&good, &good[..w - 8]),
+            Err(Error::Length { .. })
+        ));
         assert!(c == before);
 
         // A bad token in the middle of a bulk extend rejects the whole call.
@@ -240,7 +309,18 @@ fn rejected_appends_leave_cache_untouched() {
         let vs = rng.vec(10 * w);
         ks[6 * w + 5] = f32::INFINITY;
         let e = c.extend(&ks, &vs).unwrap_err();
-        assert!(matches!(e, Error::NonFinite { token: 6, head: 0, channel: 5, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::NonFinite {
+                    token: 6,
+                    head: 0,
+                    channel: 5,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         assert!(c == before);
 
         // A value whose scale does not fit f16.
@@ -277,8 +357,16 @@ fn half_inputs_match_f32() {
     let (k, v) = kivi(4);
     let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(4);
     let mut rng = Rng(17);
-    let ks: Vec<f16> = rng.vec(70 * n_kv * hd).into_iter().map(f16::from_f32).collect();
-    let vs: Vec<f16> = rng.vec(70 * n_kv * hd).into_iter().map(f16::from_f32).collect();
+    let ks: Vec<f16> = rng
+        .vec(70 * n_kv * hd)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let vs: Vec<f16> = rng
+        .vec(70 * n_kv * hd)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
     let mut a = LayerCache::new(cfg).unwrap();
     a.extend(&ks, &vs).unwrap();
     let mut b = LayerCache::new(cfg).unwrap();
@@ -332,14 +420,33 @@ fn causal_block_attention_and_window() {
 fn attend_rejects_bad_input() {
     let mut c = LayerCache::new(CacheConfig::new(2, 16)).unwrap();
     let mut out = vec![0.0; 64];
-    assert!(matches!(c.attend(&[0.0f32; 64], 4, &mut out), Err(Error::InvalidShape { .. })));
+    assert!(matches!(
+        c.attend(&[0.0f32; 64], 4, &mut out),
+        Err(Error::InvalidShape { .. })
+    ));
     c.append(&[0.5f32; 32], &[0.5f32; 32]).unwrap();
-    assert!(matches!(c.attend(&[0.0f32; 64], 3, &mut out), Err(Error::InvalidShape { .. })));
-    assert!(matches!(c.attend(&[0.0f32; 60], 4, &mut out), Err(Error::Length { .. })));
-    assert!(matches!(c.attend(&[0.0f32; 64], 4, &mut out[..32]), Err(Error::Length { .. })));
+    assert!(matches!(
+        c.attend(&[0.0f32; 64], 3, &mut out),
+        Err(Error::InvalidShape { .. })
+    ));
+    assert!(matches!(
+        c.attend(&[0.0f32; 60], 4, &mut out),
+        Err(Error::Length { .. })
+    ));
+    assert!(matches!(
+        c.attend(&[0.0f32; 64], 4, &mut out[..32]),
+        Err(Error::Length { .. })
+    ));
     let mut q = [0.0f32; 64];
     q[20] = f32::NAN;
-    assert!(matches!(c.attend(&q, 4, &mut out), Err(Error::NonFinite { head: 1, channel: 4, .. })));
+    assert!(matches!(
+        c.attend(&q, 4, &mut out),
+        Err(Error::NonFinite {
+            head: 1,
+            channel: 4,
+            ..
+        })
+    ));
     let mut out2 = vec![0.0; 128];
     assert!(matches!(
         c.attend_causal(&[0.0f32; 128], 4, &mut out2, None),
@@ -351,14 +458,19 @@ fn attend_rejects_bad_input() {
     ));
     assert!(LayerCache::new(CacheConfig::new(0, 16)).is_err());
     assert!(LayerCache::new(CacheConfig::new(2, 12)).is_err());
-    let e = LayerCache::new(CacheConfig::new(2, 64).keys(scheme(4, Axis::PerToken, Group::Size(48)))).unwrap_err();
+    let e =
+        LayerCache::new(CacheConfig::new(2, 64).keys(scheme(4, Axis::PerToken, Group::Size(48))))
+            .unwrap_err();
     assert!(e.to_string().contains("48"));
 }
 
 #[test]
 fn accounting_matches_schemes() {
     let (n_kv, hd) = (4, 128);
-    let (k, v) = (scheme(4, Axis::PerChannel, Group::Size(32)), scheme(2, Axis::PerToken, Group::Size(64)));
+    let (k, v) = (
+        scheme(4, Axis::PerChannel, Group::Size(32)),
+        scheme(2, Axis::PerToken, Group::Size(64)),
+    );
     let (lk, lv) = (k.layout(n_kv, hd).unwrap(), v.layout(n_kv, hd).unwrap());
     let mut c = LayerCache::new(CacheConfig::new(n_kv, hd).keys(k).values(v)).unwrap();
     let mut rng = Rng(2);
@@ -367,29 +479,49 @@ fn accounting_matches_schemes() {
     assert_eq!(b.full_precision, 0);
     assert_eq!(b.codes + b.params, lk.bytes(1024) + lv.bytes(1024));
     let want = (lk.effective_bits() + lv.effective_bits()) / 2.0;
-    assert!((c.effective_bits() - want).abs() < 1e-12, "{} vs {want}", c.effective_bits());
+    assert!(
+        (c.effective_bits() - want).abs() < 1e-12,
+        "{} vs {want}",
+        c.effective_bits()
+    );
 
     // With a residual window and sinks, the overhead fades with length.
-    let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(128).sinks(4);
+    let cfg = CacheConfig::new(n_kv, hd)
+        .keys(k)
+        .values(v)
+        .residual(128)
+        .sinks(4);
     let mut c = LayerCache::new(cfg).unwrap();
     fill(&mut c, 4000, &mut rng);
     let b = c.bytes();
     let (pk, pv) = c.packed_len();
     assert_eq!(b.codes + b.params, lk.bytes(pk) + lv.bytes(pv));
-    assert_eq!(b.full_precision, ((4000 - pk) + (4000 - pv)) * n_kv * hd * 4);
+    assert_eq!(
+        b.full_precision,
+        ((4000 - pk) + (4000 - pv)) * n_kv * hd * 4
+    );
     assert!(c.effective_bits() > want && c.effective_bits() < want + 1.5);
 
     let mut kv = KvCache::new([
         CacheConfig::new(n_kv, hd).keys(k).values(v),
-        CacheConfig::new(n_kv, hd).keys(scheme(8, Axis::PerToken, Group::Size(32))).values(v),
+        CacheConfig::new(n_kv, hd)
+            .keys(scheme(8, Axis::PerToken, Group::Size(32)))
+            .values(v),
     ])
     .unwrap();
     for l in 0..2 {
         let w = n_kv * hd;
-        kv.layer_mut(l).extend(&rng.vec(64 * w), &rng.vec(64 * w)).unwrap();
+        kv.layer_mut(l)
+            .extend(&rng.vec(64 * w), &rng.vec(64 * w))
+            .unwrap();
     }
-    let l8 = scheme(8, Axis::PerToken, Group::Size(32)).layout(n_kv, hd).unwrap();
-    assert_eq!(kv.bytes().total(), lk.bytes(64) + 2 * lv.bytes(64) + l8.bytes(64));
+    let l8 = scheme(8, Axis::PerToken, Group::Size(32))
+        .layout(n_kv, hd)
+        .unwrap();
+    assert_eq!(
+        kv.bytes().total(),
+        lk.bytes(64) + 2 * lv.bytes(64) + l8.bytes(64)
+    );
     kv.clear();
     assert_eq!(kv.bytes().total(), 0);
     assert_eq!(kv.effective_bits(), 0.0);
@@ -425,7 +557,11 @@ fn every_backend_gives_the_same_attention() {
             println!("skipping backend {}: not supported by this CPU", bk.name());
             continue;
         }
-        let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(64).backend(bk);
+        let cfg = CacheConfig::new(n_kv, hd)
+            .keys(k)
+            .values(v)
+            .residual(64)
+            .backend(bk);
         let mut c = LayerCache::new(cfg).unwrap();
         c.extend(&ks, &vs).unwrap();
         let mut out = vec![0.0; q.len()];

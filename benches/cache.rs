@@ -1,0 +1,85 @@
+//! Cache throughput: quantize/append (f32 input bytes per second).
+//!
+//! `cargo bench --bench cache`. The decode-attention benches, with the dense
+//! f32/f16 baselines, are in `benches/kernels.rs` and `benches/attend.rs`.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvq::{
+    presets, Axis, CacheConfig, Group, KvQuantizer, LayerCache, QuantScheme, UniformQuantizer,
+};
+use std::hint::black_box;
+use std::time::Duration;
+
+fn data(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+fn schemes() -> Vec<(&'static str, QuantScheme, QuantScheme)> {
+    let (k4, v4) = presets::kivi(4).unwrap();
+    let (k2, v2) = presets::kivi(2).unwrap();
+    let pt = |b| QuantScheme::new(b, Axis::PerToken, Group::Size(32)).unwrap();
+    vec![
+        ("kivi4", k4, v4),
+        ("kivi2", k2, v2),
+        ("pt4", pt(4), pt(4)),
+        ("pt8", pt(8), pt(8)),
+        ("pt3", pt(3), pt(3)),
+    ]
+}
+
+fn append(c: &mut Criterion) {
+    let (n_kv, hd, tokens) = (8, 128, 1024);
+    let w = n_kv * hd;
+    let k = data(tokens * w, 1);
+    let v = data(tokens * w, 2);
+    let mut g = c.benchmark_group("append");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500));
+    g.throughput(Throughput::Bytes((2 * tokens * w * 4) as u64));
+    for (name, ks, vs) in schemes() {
+        let cfg = CacheConfig::new(n_kv, hd).keys(ks).values(vs);
+        let mut cache = LayerCache::new(cfg).unwrap();
+        g.bench_function(BenchmarkId::new("extend", name), |b| {
+            b.iter(|| {
+                cache.clear();
+                cache.extend(black_box(&k), black_box(&v)).unwrap();
+            })
+        });
+        g.bench_function(BenchmarkId::new("append-token", name), |b| {
+            b.iter(|| {
+                cache.clear();
+                for t in 0..tokens {
+                    cache
+                        .append(&k[t * w..(t + 1) * w], &v[t * w..(t + 1) * w])
+                        .unwrap();
+                }
+            })
+        });
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("quantize");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500));
+    g.throughput(Throughput::Bytes((tokens * w * 4) as u64));
+    for (name, ks, _) in schemes() {
+        let q = UniformQuantizer::new(ks, n_kv, hd).unwrap();
+        g.bench_function(BenchmarkId::new("block", name), |b| {
+            b.iter(|| black_box(q.quantize(black_box(&k), tokens).unwrap()))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, append);
+criterion_main!(benches);
