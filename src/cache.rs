@@ -416,6 +416,46 @@ impl Tensor {
         }
     }
 
+    /// Tokens quantized at a time, 1 when full precision.
+    fn unit_or_1(&self) -> usize {
+        self.layout.map_or(1, |l| l.block_tokens())
+    }
+
+    /// The stored runs of positions `a..b` for head `h`, in order.
+    fn sections(&self, h: usize, a: usize, b: usize) -> Vec<Section<'_>> {
+        let n_sink = self.sink.len() / self.width;
+        let p_end = n_sink + self.packed;
+        let t_end = p_end + self.tail_rows();
+        let mut out = Vec::with_capacity(3);
+        let clip = |s0: usize, s1: usize| (a.max(s0), b.min(s1));
+        let (x0, x1) = clip(0, n_sink);
+        if x0 < x1 {
+            out.push(Section {
+                start: x0,
+                len: x1 - x0,
+                data: SectionData::Dense(&self.sink[x0 * self.width..]),
+            });
+        }
+        let (x0, x1) = clip(n_sink, p_end);
+        if x0 < x1 {
+            let view = self.head(h).expect("packed tokens exist");
+            out.push(Section {
+                start: x0,
+                len: x1 - x0,
+                data: SectionData::Packed(sub_view(view, x0 - n_sink, x1 - n_sink)),
+            });
+        }
+        let (x0, x1) = clip(p_end, t_end);
+        if x0 < x1 {
+            out.push(Section {
+                start: x0,
+                len: x1 - x0,
+                data: SectionData::Dense(&self.tail_slice()[(x0 - p_end) * self.width..]),
+            });
+        }
+        out
+    }
+
     fn head(&self, h: usize) -> Option<PackedHead<'_>> {
         let l = self.layout?;
         if self.packed == 0 {
@@ -751,34 +791,50 @@ impl LayerCache {
         qf.iter_mut().for_each(|x| *x *= scale);
 
         let n_kv = self.cfg.n_kv_heads;
-        // Work for one KV head: its `n·r` queries, gathered position-major.
-        let run = |h: usize, dst: &mut [f32]| {
-            let mut qh = vec![0f32; n * r * hd];
+        let per_head = n * r * hd;
+        // Queries of KV head h, gathered position-major: [n, r, hd].
+        let gather = |h: usize| {
+            let mut qh = vec![0f32; per_head];
             for j in 0..n {
                 let src = &qf[j * qw + h * r * hd..j * qw + (h + 1) * r * hd];
                 qh[j * r * hd..(j + 1) * r * hd].copy_from_slice(src);
             }
-            self.head_attention(h, &qh, n, r, window, dst);
+            qh
         };
-        let per_head = n * r * hd;
         let mut tmp = vec![0f32; n_kv * per_head];
-        let work = self.len * n * n_kv;
-        let threads = self.threads.min(n_kv);
-        if threads > 1 && work >= PARALLEL_MIN_WORK {
-            let chunk = n_kv.div_ceil(threads);
+        let threads = if self.len * n * n_kv >= PARALLEL_MIN_WORK {
+            self.threads
+        } else {
+            1
+        };
+        if threads > 1 && n == 1 && n_kv % threads != 0 {
+            // Decode with fewer (or unevenly many) KV heads than threads:
+            // split each head's tokens into chunks (flash-decoding), then
+            // merge the partial softmaxes.
+            self.attend_split(&gather, r, threads, window, &mut tmp);
+        } else if threads > 1 && n_kv > 1 {
+            let t = threads.min(n_kv);
+            let chunk = n_kv.div_ceil(t);
             std::thread::scope(|sc| {
                 for (ci, block) in tmp.chunks_mut(chunk * per_head).enumerate() {
-                    let run = &run;
+                    let gather = &gather;
                     sc.spawn(move || {
                         for (k, dst) in block.chunks_mut(per_head).enumerate() {
-                            run(ci * chunk + k, dst);
+                            self.head_attention(
+                                ci * chunk + k,
+                                &gather(ci * chunk + k),
+                                n,
+                                r,
+                                window,
+                                dst,
+                            );
                         }
                     });
                 }
             });
         } else {
             for (h, dst) in tmp.chunks_mut(per_head).enumerate() {
-                run(h, dst);
+                self.head_attention(h, &gather(h), n, r, window, dst);
             }
         }
         // Scatter [h][j][r·hd] into [j][h·r·hd].
@@ -789,6 +845,74 @@ impl LayerCache {
             }
         }
         Ok(())
+    }
+
+    /// Decode (one position) with every KV head's tokens split into
+    /// `threads` chunks run in parallel; `dst` is `[n_kv, r, hd]`.
+    fn attend_split(
+        &self,
+        gather: &(dyn Fn(usize) -> Vec<f32> + Sync),
+        r: usize,
+        threads: usize,
+        window: Option<usize>,
+        dst: &mut [f32],
+    ) {
+        let hd = self.cfg.head_dim;
+        let n_kv = self.cfg.n_kv_heads;
+        let len = self.len;
+        let lo = window.map_or(0, |w| len.saturating_sub(w));
+        // Chunk edges inside packed storage must fall on block boundaries.
+        let align = lcm(self.k.unit_or_1(), self.v.unit_or_1());
+        let sinks = self.cfg.sinks.min(len);
+        let snap = |e: usize| {
+            if e > sinks {
+                sinks + (e - sinks) / align * align
+            } else {
+                e
+            }
+        };
+        let span = (len - lo).div_ceil(threads);
+        let mut edges = vec![snap(lo)];
+        for c in 1..threads {
+            let e = snap(lo + c * span);
+            if e > *edges.last().unwrap() && e < len {
+                edges.push(e);
+            }
+        }
+        edges.push(len);
+        let chunks = edges.len() - 1;
+        let qs: Vec<Vec<f32>> = (0..n_kv).map(gather).collect();
+        // Partials per (head, chunk): max, sum, unnormalized output.
+        let mut parts: Vec<Partial> = (0..n_kv * chunks).map(|_| Partial::new(r, hd)).collect();
+        std::thread::scope(|sc| {
+            let per = parts.len().div_ceil(threads);
+            for (ti, block) in parts.chunks_mut(per).enumerate() {
+                let (qs, edges) = (&qs, &edges);
+                sc.spawn(move || {
+                    let mut scratch = AttnScratch::default();
+                    for (k, part) in block.iter_mut().enumerate() {
+                        let idx = ti * per + k;
+                        let (h, c) = (idx / chunks, idx % chunks);
+                        let vis = vec![(lo, len); r];
+                        self.partial(
+                            h,
+                            &qs[h],
+                            r,
+                            edges[c],
+                            edges[c + 1],
+                            &vis,
+                            part,
+                            &mut scratch,
+                        );
+                    }
+                });
+            }
+        });
+        for h in 0..n_kv {
+            let ps = &parts[h * chunks..(h + 1) * chunks];
+            let out = &mut dst[h * r * hd..(h + 1) * r * hd];
+            merge(ps, r, hd, out);
+        }
     }
 
     /// Attention of KV head `h` for `n` positions × `r` query heads (`qh` is
@@ -804,162 +928,237 @@ impl LayerCache {
     ) {
         let hd = self.cfg.head_dim;
         let len = self.len;
-        dst.fill(0.0);
         // Query positions in sub-blocks so the score matrix stays small.
         let sub = (QUERY_BLOCK / r).max(1);
+        let mut scratch = AttnScratch::default();
         let mut j0 = 0;
-        let mut scores = Vec::new();
-        let mut tmp = Vec::new();
         while j0 < n {
             let j1 = (j0 + sub).min(n);
             let rows = (j1 - j0) * r;
-            // Positions visible to the last query of the sub-block.
-            let vis = len - n + j1;
-            scores.clear();
-            scores.resize(rows * vis, 0.0);
+            // Visible range of each row: causal, and windowed.
+            let vis: Vec<(usize, usize)> = (j0..j1)
+                .flat_map(|j| {
+                    let pos = len - n + j;
+                    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    std::iter::repeat_n((lo, pos + 1), r)
+                })
+                .collect();
+            let a = vis.iter().map(|v| v.0).min().unwrap_or(0);
+            // Packed per-channel blocks must be entered at their start.
+            let (sinks, align) = (
+                self.cfg.sinks.min(len),
+                lcm(self.k.unit_or_1(), self.v.unit_or_1()),
+            );
+            let a = if a > sinks {
+                sinks + (a - sinks) / align * align
+            } else {
+                a
+            };
+            let b = len - n + j1;
+            let mut part = Partial::new(rows, hd);
             let q = &qh[j0 * r * hd..j1 * r * hd];
-            self.k_scores(h, q, rows, vis, &mut scores, &mut tmp);
-            // Mask and softmax, row by row.
-            for j in j0..j1 {
-                let pos = len - n + j;
-                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                for i in 0..r {
-                    let row = &mut scores[((j - j0) * r + i) * vis..((j - j0) * r + i + 1) * vis];
-                    row[..lo].fill(0.0);
-                    row[pos + 1..].fill(0.0);
-                    softmax_in_place(&mut row[lo..=pos]);
-                }
-            }
-            self.v_sum(
-                h,
-                &scores,
+            self.partial(h, q, rows, a, b, &vis, &mut part, &mut scratch);
+            merge(
+                std::slice::from_ref(&part),
                 rows,
-                vis,
+                hd,
                 &mut dst[j0 * r * hd..j1 * r * hd],
-                &mut tmp,
             );
             j0 = j1;
         }
     }
 
-    /// Logits `[rows, vis]` of `rows` queries against positions `0..vis`.
+    /// Unnormalized attention of `rows` queries over positions `a..b` of
+    /// KV head `h`, each row restricted to its visible range `vis[row]`.
+    #[allow(clippy::too_many_arguments)]
+    fn partial(
+        &self,
+        h: usize,
+        q: &[f32],
+        rows: usize,
+        a: usize,
+        b: usize,
+        vis: &[(usize, usize)],
+        part: &mut Partial,
+        s: &mut AttnScratch,
+    ) {
+        let width = b - a;
+        s.scores.clear();
+        s.scores.resize(rows * width, 0.0);
+        self.k_scores(h, q, rows, a, b, &mut s.scores, &mut s.tmp);
+        for i in 0..rows {
+            let row = &mut s.scores[i * width..(i + 1) * width];
+            let lo = vis[i].0.clamp(a, b) - a;
+            let hi = vis[i].1.clamp(a, b) - a;
+            row[..lo].fill(0.0);
+            row[hi..].fill(0.0);
+            let live = &mut row[lo..hi];
+            let m = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for v in live.iter_mut() {
+                *v = (*v - m).exp();
+                sum += *v;
+            }
+            part.max[i] = m;
+            part.sum[i] = sum;
+        }
+        part.out.fill(0.0);
+        self.v_sum(h, &s.scores, rows, a, b, &mut part.out, &mut s.tmp);
+    }
+
+    /// Logits `[rows, b−a]` of `rows` queries against positions `a..b`.
+    #[allow(clippy::too_many_arguments)]
     fn k_scores(
         &self,
         h: usize,
         q: &[f32],
         rows: usize,
-        vis: usize,
+        a: usize,
+        b: usize,
         out: &mut [f32],
         tmp: &mut Vec<f32>,
     ) {
-        let t = &self.k;
         let hd = self.cfg.head_dim;
-        let mut pos = 0;
-        // Sinks, then packed, then the full-precision tail.
-        let n_sink = t.sink.len() / t.width;
-        dense_scores(
-            &t.sink,
-            t.width,
-            h * hd,
-            hd,
-            q,
-            rows,
-            0,
-            n_sink.min(vis),
-            vis,
-            out,
-        );
-        pos += n_sink;
-        if pos >= vis {
-            return;
-        }
-        if let Some(view) = t.head(h) {
-            let np = t.packed.min(vis - pos);
-            let view = truncate(view, np);
-            tmp.clear();
-            tmp.resize(rows * np, 0.0);
-            kernels::scores_on(self.backend, &view, q, tmp).expect("lengths are consistent");
-            for i in 0..rows {
-                out[i * vis + pos..i * vis + pos + np].copy_from_slice(&tmp[i * np..(i + 1) * np]);
+        let width = b - a;
+        for sec in self.k.sections(h, a, b) {
+            let off = sec.start - a;
+            match sec.data {
+                SectionData::Dense(data) => {
+                    for t in 0..sec.len {
+                        let k = &data[t * self.k.width + h * hd..][..hd];
+                        for i in 0..rows {
+                            out[i * width + off + t] = dot(&q[i * hd..(i + 1) * hd], k);
+                        }
+                    }
+                }
+                SectionData::Packed(view) => {
+                    tmp.clear();
+                    tmp.resize(rows * sec.len, 0.0);
+                    kernels::scores_on(self.backend, &view, q, tmp)
+                        .expect("lengths are consistent");
+                    for i in 0..rows {
+                        out[i * width + off..i * width + off + sec.len]
+                            .copy_from_slice(&tmp[i * sec.len..(i + 1) * sec.len]);
+                    }
+                }
             }
-            pos += t.packed;
         }
-        if pos >= vis {
-            return;
-        }
-        let nt = t.tail_rows().min(vis - pos);
-        dense_scores(
-            t.tail_slice(),
-            t.width,
-            h * hd,
-            hd,
-            q,
-            rows,
-            pos,
-            nt,
-            vis,
-            out,
-        );
     }
 
-    /// `dst[rows, hd] += p[rows, vis] · V[0..vis]`.
+    /// `dst[rows, hd] += p[rows, b−a] · V[a..b]`.
+    #[allow(clippy::too_many_arguments)]
     fn v_sum(
         &self,
         h: usize,
         p: &[f32],
         rows: usize,
-        vis: usize,
+        a: usize,
+        b: usize,
         dst: &mut [f32],
         tmp: &mut Vec<f32>,
     ) {
-        let t = &self.v;
         let hd = self.cfg.head_dim;
-        let n_sink = t.sink.len() / t.width;
-        dense_sum(
-            &t.sink,
-            t.width,
-            h * hd,
-            hd,
-            p,
-            rows,
-            0,
-            n_sink.min(vis),
-            vis,
-            dst,
-        );
-        let mut pos = n_sink;
-        if pos >= vis {
-            return;
-        }
-        if let Some(view) = t.head(h) {
-            let np = t.packed.min(vis - pos);
-            let view = truncate(view, np);
-            tmp.clear();
-            tmp.resize(rows * np, 0.0);
-            for i in 0..rows {
-                tmp[i * np..(i + 1) * np].copy_from_slice(&p[i * vis + pos..i * vis + pos + np]);
+        let width = b - a;
+        for sec in self.v.sections(h, a, b) {
+            let off = sec.start - a;
+            match sec.data {
+                SectionData::Dense(data) => {
+                    for t in 0..sec.len {
+                        let v = &data[t * self.v.width + h * hd..][..hd];
+                        for i in 0..rows {
+                            let w = p[i * width + off + t];
+                            if w != 0.0 {
+                                axpy(w, v, &mut dst[i * hd..(i + 1) * hd]);
+                            }
+                        }
+                    }
+                }
+                SectionData::Packed(view) => {
+                    tmp.clear();
+                    tmp.resize(rows * sec.len, 0.0);
+                    for i in 0..rows {
+                        tmp[i * sec.len..(i + 1) * sec.len]
+                            .copy_from_slice(&p[i * width + off..i * width + off + sec.len]);
+                    }
+                    kernels::weighted_sum_on(self.backend, &view, tmp, dst)
+                        .expect("lengths are consistent");
+                }
             }
-            kernels::weighted_sum_on(self.backend, &view, tmp, dst)
-                .expect("lengths are consistent");
-            pos += t.packed;
         }
-        if pos >= vis {
-            return;
-        }
-        let nt = t.tail_rows().min(vis - pos);
-        dense_sum(
-            t.tail_slice(),
-            t.width,
-            h * hd,
-            hd,
-            p,
-            rows,
-            pos,
-            nt,
-            vis,
-            dst,
-        );
     }
+}
+
+/// Per-row softmax state of a range of positions: running max, sum of
+/// `exp(l − max)`, and the unnormalized weighted sum of values.
+#[derive(Debug, Clone)]
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    out: Vec<f32>,
+}
+
+impl Partial {
+    fn new(rows: usize, hd: usize) -> Self {
+        Partial {
+            max: vec![f32::NEG_INFINITY; rows],
+            sum: vec![0.0; rows],
+            out: vec![0.0; rows * hd],
+        }
+    }
+}
+
+/// Combine partials over disjoint position ranges into normalized outputs.
+fn merge(parts: &[Partial], rows: usize, hd: usize, dst: &mut [f32]) {
+    for i in 0..rows {
+        let m = parts
+            .iter()
+            .map(|p| p.max[i])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let o = &mut dst[i * hd..(i + 1) * hd];
+        o.fill(0.0);
+        let mut total = 0f32;
+        for p in parts {
+            if p.max[i] == f32::NEG_INFINITY {
+                continue;
+            }
+            let w = (p.max[i] - m).exp();
+            total += w * p.sum[i];
+            axpy(w, &p.out[i * hd..(i + 1) * hd], o);
+        }
+        let inv = 1.0 / total;
+        o.iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
+#[derive(Debug, Default)]
+struct AttnScratch {
+    scores: Vec<f32>,
+    tmp: Vec<f32>,
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    a / gcd(a, b) * b
+}
+
+/// A run of positions of one tensor and where they are stored.
+struct Section<'a> {
+    start: usize,
+    len: usize,
+    data: SectionData<'a>,
+}
+
+enum SectionData<'a> {
+    /// Full-precision rows (stride = tensor width), first row = `start`.
+    Dense(&'a [f32]),
+    /// Packed tokens of one head, first token = `start`.
+    Packed(PackedHead<'a>),
 }
 
 /// Work (`len · positions · kv heads`) below which `attend` stays on one thread.
@@ -967,71 +1166,27 @@ const PARALLEL_MIN_WORK: usize = 16 * 1024;
 /// Query rows (positions × query heads) scored at once in `attend_causal`.
 const QUERY_BLOCK: usize = 64;
 
-/// The first `tokens` tokens of a packed head (per-channel: whole blocks
-/// plus a prefix of the next, which the kernels handle).
-fn truncate(view: PackedHead<'_>, tokens: usize) -> PackedHead<'_> {
-    if tokens == view.tokens {
-        return view;
-    }
+/// Tokens `t0..t1` of a packed head; per-channel, `t0` must start a block.
+fn sub_view(view: PackedHead<'_>, t0: usize, t1: usize) -> PackedHead<'_> {
     let l = view.layout;
-    let pb = if l.shared_params() {
-        l.param_bytes(tokens)
-    } else {
-        l.head_param_bytes(tokens)
+    let g = l.block_tokens();
+    assert!(
+        t0 % g == 0 && t0 <= t1 && t1 <= view.tokens,
+        "sub_view {t0}..{t1} of {}",
+        view.tokens
+    );
+    let pb = |t: usize| {
+        if l.shared_params() {
+            l.param_bytes(t)
+        } else {
+            l.head_param_bytes(t)
+        }
     };
     PackedHead {
         layout: l,
-        tokens,
-        codes: &view.codes[..l.head_code_bytes(tokens)],
-        params: &view.params[..pb],
-    }
-}
-
-/// Logits against full-precision rows (`rows` stride `width`, head at
-/// `off`): `out[i·vis + pos0 + t] = q_i · row_t`.
-#[allow(clippy::too_many_arguments)]
-fn dense_scores(
-    data: &[f32],
-    width: usize,
-    off: usize,
-    hd: usize,
-    q: &[f32],
-    rows: usize,
-    pos0: usize,
-    n: usize,
-    vis: usize,
-    out: &mut [f32],
-) {
-    for t in 0..n {
-        let k = &data[t * width + off..t * width + off + hd];
-        for i in 0..rows {
-            out[i * vis + pos0 + t] = dot(&q[i * hd..(i + 1) * hd], k);
-        }
-    }
-}
-
-/// `dst_i += Σ_t p[i·vis + pos0 + t] · row_t`.
-#[allow(clippy::too_many_arguments)]
-fn dense_sum(
-    data: &[f32],
-    width: usize,
-    off: usize,
-    hd: usize,
-    p: &[f32],
-    rows: usize,
-    pos0: usize,
-    n: usize,
-    vis: usize,
-    dst: &mut [f32],
-) {
-    for t in 0..n {
-        let v = &data[t * width + off..t * width + off + hd];
-        for i in 0..rows {
-            let w = p[i * vis + pos0 + t];
-            if w != 0.0 {
-                axpy(w, v, &mut dst[i * hd..(i + 1) * hd]);
-            }
-        }
+        tokens: t1 - t0,
+        codes: &view.codes[l.head_code_bytes(t0)..l.head_code_bytes(t1)],
+        params: &view.params[pb(t0)..pb(t1)],
     }
 }
 
@@ -1053,17 +1208,6 @@ fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, &x) in y.iter_mut().zip(x) {
         *y += a * x;
     }
-}
-
-fn softmax_in_place(x: &mut [f32]) {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut s = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - m).exp();
-        s += *v;
-    }
-    let inv = 1.0 / s;
-    x.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// Plain dense attention of one position (f64 accumulation), the yardstick

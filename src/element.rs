@@ -9,7 +9,7 @@ mod private {
     impl Sealed for half::bf16 {}
 }
 
-/// A floating-point element of K, V or Q: `f32`, [`f16`] or [`bf16`].
+/// A floating-point element of K, V or Q: `f32`, [`f16`](struct@half::f16) or [`bf16`](struct@half::bf16).
 ///
 /// Everything that takes model data is generic over this one trait, so an
 /// engine passes its tensors as they are. Sealed: kvq's kernels are written

@@ -9,7 +9,7 @@ use crate::scheme::{Axis, Group, Layout, Mode, QuantScheme, ScaleFormat};
 /// A quantized block `[tokens, n_kv_heads, head_dim]`, stored head-major.
 ///
 /// * `codes`: for each head, `tokens` rows of [`Layout::row_bytes`] packed
-///   codes (see [`pack`](crate::pack)).
+///   codes (see [`pack`](mod@crate::pack)).
 /// * `params`: per-token, for each head and token, a *param set* of the
 ///   row's groups: `[scale_0 … scale_{g-1}][zero_0 … zero_{g-1}]` (zeros
 ///   absent when symmetric); `Group::Vector`, one set per token shared by all
@@ -40,8 +40,9 @@ impl PackedBlock {
     ///
     /// # Errors
     /// [`Error::Length`] when a buffer does not have the layout's size for
-    /// `tokens`; [`Error::Malformed`] when a stored scale or zero is not
-    /// finite or a scale is negative.
+    /// `tokens`; [`Error::InvalidShape`] when that size overflows `usize`;
+    /// [`Error::Malformed`] when a stored scale or zero is not finite or a
+    /// scale is negative.
     pub fn from_parts(
         layout: Layout,
         tokens: usize,
@@ -49,6 +50,7 @@ impl PackedBlock {
         params: Vec<u8>,
     ) -> Result<Self> {
         let op = "PackedBlock::from_parts";
+        check_fits(op, &layout, tokens)?;
         crate::quant::check_len(op, "bytes of codes", layout.code_bytes(tokens), codes.len())?;
         crate::quant::check_len(
             op,
@@ -242,10 +244,8 @@ impl PackedBlock {
         let (nh, hd, tokens) = (u32_at(16), u32_at(20), u32_at(24));
         let layout = scheme.layout(nh, hd).map_err(|e| bad(e.to_string()))?;
         let need = layout
-            .n_kv_heads()
-            .checked_mul(layout.head_dim())
-            .and_then(|w| w.checked_mul(tokens))
-            .and_then(|_| HEADER_LEN.checked_add(layout.bytes(tokens)));
+            .checked_bytes(tokens)
+            .and_then(|b| HEADER_LEN.checked_add(b));
         match need {
             Some(n) if n == bytes.len() => {}
             _ => {
@@ -304,6 +304,21 @@ fn header(l: &Layout, tokens: usize) -> [u8; HEADER_LEN] {
     h
 }
 
+/// `tokens` tokens of `layout` have a size that fits in `usize`.
+fn check_fits(op: &'static str, l: &Layout, tokens: usize) -> Result<()> {
+    match l.checked_bytes(tokens) {
+        Some(_) => Ok(()),
+        None => Err(Error::InvalidShape {
+            op,
+            what: format!(
+                "{tokens} tokens of {}x{} do not fit in memory",
+                l.n_kv_heads(),
+                l.head_dim()
+            ),
+        }),
+    }
+}
+
 fn validate_params(op: &'static str, l: &Layout, params: &[u8]) -> Result<()> {
     let s = l.scheme();
     let fmt = s.scale_format();
@@ -322,8 +337,9 @@ fn validate_params(op: &'static str, l: &Layout, params: &[u8]) -> Result<()> {
                 return Err(Error::Malformed {
                     op,
                     what: format!(
-                        "{} {i} of param set {k} is {v}",
-                        if is_scale { "scale" } else { "zero" }
+                        "{} {} of param set {k} is {v}",
+                        if is_scale { "scale" } else { "zero" },
+                        if is_scale { i } else { i - n }
                     ),
                 });
             }
@@ -350,9 +366,11 @@ impl<'a> PackedHead<'a> {
     ///
     /// # Errors
     /// [`Error::Length`] when a buffer does not match the layout for
-    /// `tokens` tokens of one head.
+    /// `tokens` tokens of one head; [`Error::InvalidShape`] when that size
+    /// overflows `usize`.
     pub fn new(layout: Layout, tokens: usize, codes: &'a [u8], params: &'a [u8]) -> Result<Self> {
         let op = "PackedHead::new";
+        check_fits(op, &layout, tokens)?;
         crate::quant::check_len(
             op,
             "bytes of codes",
