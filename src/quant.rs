@@ -17,19 +17,27 @@
 //! numbers the quantizer assumed. Because the scale is rounded up and the
 //! zero down, every element of the group lies inside the grid: the error of
 //! each element is at most **half a step**, `scale/2`, plus the f32 rounding
-//! of evaluating `scale·code + zero` (a few ulps of the element) — the scale
-//! format's rounding only makes the step slightly larger, never leaves an
-//! element outside the grid.
+//! of computing the code and evaluating `scale·code + zero` — a few ulps of
+//! the group's magnitude `|zero| + scale·(2^bits − 1)` (not of the element:
+//! an element near 0 in a group spanning ±1000 carries about `ulp(1000)`),
+//! and at most 2^-149 more in f32's subnormal range. The scale format's
+//! rounding only makes the step slightly larger, never leaves an element
+//! outside the grid.
 //!
-//! A group whose values are all equal has `scale = 0` and reconstructs
-//! exactly when its value is representable in the scale format (always for
-//! f32 scales, and for 0); otherwise its error is below `ulp_fmt(value) /
-//! (2^bits − 1) / 2`.
+//! An asymmetric group whose values are all equal has `scale = 0` and
+//! reconstructs exactly when its value is representable in the scale format
+//! (always for f32 scales, and for 0). Otherwise `zero = ⌊value⌋_fmt` and
+//! `d = value − zero < ulp_fmt(value)`, so the error is at most half of
+//! `scale = ⌈d/(2^bits − 1)⌉_fmt`: below `ulp_fmt(value)/2`, and about
+//! `ulp_fmt(value)/(2^bits − 1)/2` unless that is below the format's
+//! smallest subnormal. A constant symmetric group is no special case.
 //!
 //! Non-finite input (NaN, ±inf) is rejected with [`Error::NonFinite`]
 //! naming token, head and channel; a group whose scale or zero falls outside
-//! the scale format's range (|x| beyond 65504 with f16 scales) is rejected
-//! with [`Error::ScaleOverflow`]. In both cases nothing is produced.
+//! the scale format's range (|x| beyond 65504 with f16 scales), or whose
+//! grid `zero + scale·(2^bits − 1)` overflows f32 (a range near `f32::MAX`),
+//! is rejected with [`Error::ScaleOverflow`]. In both cases nothing is
+//! produced.
 
 use crate::element::{widen_into, Element};
 use crate::error::{Error, Result};
@@ -252,7 +260,8 @@ pub(crate) fn group_params(
             }
             let levels = ((1u32 << bits) - 1) as f64;
             let scale = fmt.round_up((max as f64 - zero as f64) / levels);
-            if !scale.is_finite() {
+            // The top of the grid must be an f32 too (a range beyond f32::MAX).
+            if !scale.is_finite() || !(scale * levels as f32 + zero).is_finite() {
                 return Err(("scale", ((max as f64 - zero as f64) / levels) as f32));
             }
             Ok((scale, zero))
@@ -262,7 +271,8 @@ pub(crate) fn group_params(
             let qmax = ((1u32 << (bits - 1)) - 1) as f64;
             let scale = fmt.round_up(absmax / qmax);
             let zero = -scale * (1u32 << (bits - 1)) as f32;
-            if !scale.is_finite() || !zero.is_finite() {
+            let top = scale * ((1u32 << bits) - 1) as f32;
+            if !scale.is_finite() || !zero.is_finite() || !top.is_finite() {
                 return Err(("scale", (absmax / qmax) as f32));
             }
             Ok((scale, zero))
@@ -279,9 +289,27 @@ pub(crate) fn code_of(x: f32, inv_scale: f32, zero: f32, max_code: f32) -> u8 {
     (((x - zero) * inv_scale).max(0.0).min(max_code) + 0.5) as u8
 }
 
+/// [`code_of`] computed in f64, for a group whose `1/scale` overflows f32:
+/// a scale below 2^-128, so every value of the group is below 2^-96 and
+/// `scale` may be subnormal.
+#[cold]
+fn code_of_f64(x: f32, scale: f32, zero: f32, max_code: f32) -> u8 {
+    (((x as f64 - zero as f64) / scale as f64)
+        .max(0.0)
+        .min(max_code as f64)
+        + 0.5) as u8
+}
+
 /// Codes of a run of values sharing one `(scale, zero)`.
 #[inline]
-fn codes_into(xs: &[f32], inv_scale: f32, zero: f32, max_code: f32, out: &mut [u8]) {
+fn codes_into(xs: &[f32], scale: f32, zero: f32, max_code: f32, out: &mut [u8]) {
+    let inv_scale = inv(scale);
+    if !inv_scale.is_finite() {
+        for (c, &v) in out.iter_mut().zip(xs) {
+            *c = code_of_f64(v, scale, zero, max_code);
+        }
+        return;
+    }
     for (c, &v) in out.iter_mut().zip(xs) {
         *c = code_of(v, inv_scale, zero, max_code);
     }
@@ -330,9 +358,8 @@ pub(crate) fn quantize_token(
         if !sym {
             fmt.write(zero, &mut params[fb..2 * fb]);
         }
-        let is = inv(scale);
         for h in 0..l.n_kv_heads() {
-            codes_into(&x[h * hd..(h + 1) * hd], is, zero, max_code, tmp);
+            codes_into(&x[h * hd..(h + 1) * hd], scale, zero, max_code, tmp);
             let rb = l.row_bytes();
             crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
         }
@@ -352,13 +379,7 @@ pub(crate) fn quantize_token(
             if !sym {
                 fmt.write(zero, &mut ph[(gpr + g) * fb..(gpr + g + 1) * fb]);
             }
-            codes_into(
-                xs,
-                inv(scale),
-                zero,
-                max_code,
-                &mut tmp[g * gl..(g + 1) * gl],
-            );
+            codes_into(xs, scale, zero, max_code, &mut tmp[g * gl..(g + 1) * gl]);
         }
         let rb = l.row_bytes();
         crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
@@ -395,6 +416,7 @@ pub(crate) fn quantize_channel_block(
     }
     let mut inv_s = vec![0f32; hd];
     let mut zeros = vec![0f32; hd];
+    let mut scales = vec![0f32; hd];
     for c in 0..hd {
         let (scale, zero) = group_params(s, mins[c], maxs[c])
             .map_err(|(what, value)| overflow(fmt, what, value, token0, h, c))?;
@@ -404,13 +426,19 @@ pub(crate) fn quantize_channel_block(
         }
         inv_s[c] = inv(scale);
         zeros[c] = zero;
+        scales[c] = scale;
     }
+    // Channels whose 1/scale overflows f32 (subnormal groups) take the f64 path.
+    let tiny: Vec<usize> = (0..hd).filter(|&c| !inv_s[c].is_finite()).collect();
     let rb = l.row_bytes();
     let mut tmp = vec![0u8; hd];
     for t in 0..tb {
         let r = &rows[t * width + h * hd..t * width + (h + 1) * hd];
         for (((c, &v), &is), &z) in tmp.iter_mut().zip(r).zip(&inv_s).zip(&zeros) {
             *c = code_of(v, is, z, max_code);
+        }
+        for &c in &tiny {
+            tmp[c] = code_of_f64(r[c], scales[c], zeros[c], max_code);
         }
         crate::pack::pack(&tmp, s.bits(), &mut codes[t * rb..(t + 1) * rb]);
     }

@@ -536,6 +536,25 @@ impl Layout {
     pub fn bytes(&self, tokens: usize) -> usize {
         self.code_bytes(tokens) + self.param_bytes(tokens)
     }
+    /// [`bytes`](Self::bytes), or `None` when a size overflows `usize`
+    /// (for sizes that come from outside: headers, `from_parts`).
+    pub(crate) fn checked_bytes(&self, tokens: usize) -> Option<usize> {
+        let pb = self.scheme.param_bytes();
+        let row = self.head_dim.checked_mul(self.scheme.bits as usize)? / 8;
+        let codes = tokens.checked_mul(row)?.checked_mul(self.n_kv_heads)?;
+        let params = match self.scheme.axis {
+            Axis::PerToken if self.shared_params() => tokens.checked_mul(pb)?,
+            Axis::PerToken => tokens
+                .checked_mul(self.groups_per_row() * pb)?
+                .checked_mul(self.n_kv_heads)?,
+            Axis::PerChannel => tokens
+                .div_ceil(self.group_len)
+                .checked_mul(self.head_dim)?
+                .checked_mul(pb)?
+                .checked_mul(self.n_kv_heads)?,
+        };
+        codes.checked_add(params)
+    }
     /// Bytes per token for per-token schemes; per-channel, the bytes of one
     /// full block divided by its tokens (exact when it divides).
     pub fn bytes_per_token(&self) -> f64 {
