@@ -1,0 +1,99 @@
+//! [`KvStore`] backed by kvq's quantized cache: K/V go through
+//! [`kvq::KvCache`] exactly where an engine stores them (post-RoPE keys,
+//! `v_proj` values), and attention runs on the fused kernels.
+
+use super::model::KvStore;
+use kvq::{CacheConfig, KvCache, QuantScheme};
+
+/// Schemes and windows of a quantized cache (`None` keeps that tensor in
+/// full precision).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheSpec {
+    /// Key scheme.
+    pub keys: Option<QuantScheme>,
+    /// Value scheme.
+    pub values: Option<QuantScheme>,
+    /// Full-precision residual window (newest tokens).
+    pub residual: usize,
+    /// Attention-sink tokens kept exact.
+    pub sinks: usize,
+}
+
+impl CacheSpec {
+    /// Full precision everywhere.
+    pub const FULL: CacheSpec = CacheSpec {
+        keys: None,
+        values: None,
+        residual: 0,
+        sinks: 0,
+    };
+}
+
+/// A kvq cache for every layer of a model.
+#[derive(Debug, Clone)]
+pub struct KvqStore {
+    cache: KvCache,
+}
+
+impl KvqStore {
+    /// One layer cache per model layer, all with `spec`.
+    pub fn new(
+        n_layers: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        spec: CacheSpec,
+    ) -> Result<Self, kvq::Error> {
+        let cfg = CacheConfig::new(n_kv_heads, head_dim)
+            .keys_opt(spec.keys)
+            .values_opt(spec.values)
+            .residual(spec.residual)
+            .sinks(spec.sinks);
+        Ok(KvqStore {
+            cache: KvCache::uniform(n_layers, cfg)?,
+        })
+    }
+
+    /// The underlying cache.
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+}
+
+impl KvStore for KvqStore {
+    fn extend(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), String> {
+        self.cache
+            .layer_mut(layer)
+            .extend(k, v)
+            .map_err(|e| e.to_string())
+    }
+
+    fn attend_causal(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        n_q_heads: usize,
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        self.cache
+            .layer(layer)
+            .attend_causal(q, n_q_heads, out, None)
+            .map_err(|e| e.to_string())
+    }
+
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        n_q_heads: usize,
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        self.cache
+            .layer(layer)
+            .attend(q, n_q_heads, out)
+            .map_err(|e| e.to_string())
+    }
+
+    fn reset(&mut self) {
+        self.cache.clear();
+    }
+}
