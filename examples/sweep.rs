@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release --example sweep -- [--full] [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
-//!     [--out results] [--no-fetch]
+//!     [--out results] [--no-fetch] [--only SUBSTRING]
 //! ```
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
@@ -43,10 +43,11 @@ struct Args {
     sinks: usize,
     out: PathBuf,
     fetch: bool,
+    only: Option<String>,
 }
 
 const USAGE: &str = "usage: sweep [--full] [--tokens N] [--window N] [--domains austen,code] \
-[--path prefill|decode] [--residual R] [--sinks S] [--out DIR] [--no-fetch]";
+[--path prefill|decode] [--residual R] [--sinks S] [--out DIR] [--no-fetch] [--only SUBSTRING]";
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
@@ -60,6 +61,7 @@ fn parse_args() -> Result<Args, String> {
         sinks: 0,
         out: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("results"),
         fetch: true,
+        only: None,
     };
     let mut tokens_set = false;
     let mut it = std::env::args().skip(1);
@@ -79,6 +81,7 @@ fn parse_args() -> Result<Args, String> {
             "--sinks" => a.sinks = num(val()?)?,
             "--out" => a.out = val()?.into(),
             "--no-fetch" => a.fetch = false,
+            "--only" => a.only = Some(val()?),
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -117,14 +120,30 @@ fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
         let g32 = Group::Size(32);
         let g64 = Group::Size(64);
         g.push(mk("K8/V8 pt32".into(), Some(pt(8, g32)), Some(pt(8, g32))));
-        g.push(mk("K4/V4 KIVI pc32/pt32".into(), Some(pc(4, g32)), Some(pt(4, g32))));
+        g.push(mk(
+            "K4/V4 KIVI pc32/pt32".into(),
+            Some(pc(4, g32)),
+            Some(pt(4, g32)),
+        ));
         g.push(mk("K4/V4 pt32".into(), Some(pt(4, g32)), Some(pt(4, g32))));
-        g.push(mk("K4/V4 pt-vector".into(), Some(pt(4, Group::Vector)), Some(pt(4, Group::Vector))));
+        g.push(mk(
+            "K4/V4 pt-vector".into(),
+            Some(pt(4, Group::Vector)),
+            Some(pt(4, Group::Vector)),
+        ));
         g.push(mk("K6/V4 pt64".into(), Some(pt(6, g64)), Some(pt(4, g64))));
         g.push(mk("K4/V6 pt64".into(), Some(pt(4, g64)), Some(pt(6, g64))));
         g.push(mk("K4/V8 pt32".into(), Some(pt(4, g32)), Some(pt(8, g32))));
-        g.push(mk("K2/V2 KIVI pc32/pt32".into(), Some(pc(2, g32)), Some(pt(2, g32))));
-        g.push(mk("K3/V3 KIVI pc32/pt32".into(), Some(pc(3, g32)), Some(pt(3, g32))));
+        g.push(mk(
+            "K2/V2 KIVI pc32/pt32".into(),
+            Some(pc(2, g32)),
+            Some(pt(2, g32)),
+        ));
+        g.push(mk(
+            "K3/V3 KIVI pc32/pt32".into(),
+            Some(pc(3, g32)),
+            Some(pt(3, g32)),
+        ));
         return g;
     }
     for kb in [2u8, 3, 4, 6, 8] {
@@ -144,14 +163,22 @@ fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
         }
     }
     for b in [2u8, 3, 4] {
-        g.push(mk(format!("K{b}/V{b} pt-vector"), Some(pt(b, Group::Vector)), Some(pt(b, Group::Vector))));
+        g.push(mk(
+            format!("K{b}/V{b} pt-vector"),
+            Some(pt(b, Group::Vector)),
+            Some(pt(b, Group::Vector)),
+        ));
     }
     g
 }
 
 /// Effective bits of a K/V pair (16 for an f16-equivalent full-precision tensor).
 fn effective_bits(spec: &CacheSpec, n_kv: usize, hd: usize) -> f64 {
-    let eb = |s: Option<QuantScheme>| s.map_or(16.0, |s| s.layout(n_kv, hd).map_or(f64::NAN, |l| l.effective_bits()));
+    let eb = |s: Option<QuantScheme>| {
+        s.map_or(16.0, |s| {
+            s.layout(n_kv, hd).map_or(f64::NAN, |l| l.effective_bits())
+        })
+    };
     (eb(spec.keys) + eb(spec.values)) / 2.0
 }
 
@@ -235,7 +262,11 @@ fn ensure_assets(fetch: bool) -> Result<(), String> {
 
 /// The first `n` tokens of a corpus (tokenizing only a prefix of the text:
 /// the pre-tokenizer is local, so the first tokens do not depend on the cut).
-fn corpus_tokens(tok: &Tokenizer, name: &str, n: usize) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
+fn corpus_tokens(
+    tok: &Tokenizer,
+    name: &str,
+    n: usize,
+) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
     let text = std::fs::read_to_string(common::assets::corpus(name))?;
     let mut cut = (n * 16).min(text.len());
     loop {
@@ -263,7 +294,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     drop(gguf);
     let cfg = model.cfg.clone();
     let (n_layers, n_kv, hd, n_q) = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.n_heads);
-    let configs = grid(args.full, args.residual, args.sinks);
+    let mut configs = grid(args.full, args.residual, args.sinks);
+    if let Some(only) = &args.only {
+        // Keep the baseline: Δppl needs it.
+        configs.retain(|c| c.spec.keys.is_none() && c.spec.values.is_none() || c.name.contains(only.as_str()));
+    }
     eprintln!(
         "SmolLM2-135M: {n_layers} layers, {n_q}/{n_kv} heads, head_dim {hd}; loaded in {:.1}s; \
          {} configs x {} domains x {} tokens ({:?} path, residual {}, sinks {})",
@@ -292,16 +327,27 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 observer: Some(&mut cap),
                 ..Hooks::default()
             };
-            common::ppl::window_nll(&model, &tokens[..args.opts.window], &mut store, &mut hooks, EvalPath::Prefill)?;
+            common::ppl::window_nll(
+                &model,
+                &tokens[..args.opts.window],
+                &mut store,
+                &mut hooks,
+                EvalPath::Prefill,
+            )?;
         }
         let mut base: Option<(f64, f64)> = None;
         for c in &configs {
             let mut store = KvqStore::new(n_layers, n_kv, hd, c.spec)?;
             let t = Instant::now();
             let label = format!("{domain}: {}", c.name);
-            let report = perplexity(&model, &tokens, &mut store, &mut Hooks::default(), &args.opts, |_, _| {
-                progress.tick(&label)
-            })?;
+            let report = perplexity(
+                &model,
+                &tokens,
+                &mut store,
+                &mut Hooks::default(),
+                &args.opts,
+                |_, _| progress.tick(&label),
+            )?;
             let (ppl, ppl2) = (report.all.ppl(), report.second_half.ppl());
             let (b, b2) = *base.get_or_insert((ppl, ppl2));
             let eb = effective_bits(&c.spec, n_kv, hd);
@@ -360,7 +406,10 @@ fn attention_kl(
     let mut total = 0.0;
     for (q, k, v) in &cap.layers {
         let (kh, vh) = (hat(k, spec.keys)?, hat(v, spec.values)?);
-        total += layer_errors(shape, q.as_slice(), k, v, &kh, &vh, &cfg)?.summary.mean.kl;
+        total += layer_errors(shape, q.as_slice(), k, v, &kh, &vh, &cfg)?
+            .summary
+            .mean
+            .kl;
     }
     Ok(total / cap.layers.len() as f64)
 }
@@ -377,7 +426,15 @@ fn print_table(rows: &[Row], args: &Args) {
     for r in rows {
         println!(
             "{:<7} {:<24} {:>8.3} {:>7.2} {:>10.4} {:>+9.4} {:>10.4} {:>+9.4} {:>10.2e}",
-            r.domain, r.config, r.eff_bits, r.compression, r.ppl, r.delta, r.ppl_second_half, r.delta_second_half, r.kl
+            r.domain,
+            r.config,
+            r.eff_bits,
+            r.compression,
+            r.ppl,
+            r.delta,
+            r.ppl_second_half,
+            r.delta_second_half,
+            r.kl
         );
     }
 }
@@ -388,7 +445,16 @@ fn csv(rows: &[Row]) -> String {
         let _ = writeln!(
             s,
             "{},\"{}\",{:.4},{:.4},{:.6},{:.6},{:.6},{:.6},{:.6e},{:.2}",
-            r.domain, r.config, r.eff_bits, r.compression, r.ppl, r.delta, r.ppl_second_half, r.delta_second_half, r.kl, r.seconds
+            r.domain,
+            r.config,
+            r.eff_bits,
+            r.compression,
+            r.ppl,
+            r.delta,
+            r.ppl_second_half,
+            r.delta_second_half,
+            r.kl,
+            r.seconds
         );
     }
     s
@@ -435,11 +501,26 @@ fn svg(rows: &[Row]) -> String {
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{}\" y=\"20\" text-anchor=\"middle\" font-size=\"14\">SmolLM2-135M: Δppl vs effective bits (kvq cache)</text>\n",
         w / 2.0
     );
-    let _ = writeln!(s, "<line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>", h - m, w - m, h - m);
-    let _ = writeln!(s, "<line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{}\" stroke=\"black\"/>", h - m);
+    let _ = writeln!(
+        s,
+        "<line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
+        h - m,
+        w - m,
+        h - m
+    );
+    let _ = writeln!(
+        s,
+        "<line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{}\" stroke=\"black\"/>",
+        h - m
+    );
     let mut xt = x_min.ceil();
     while xt <= x_max {
-        let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{xt}</text>", px(xt), h - m + 16.0);
+        let _ = writeln!(
+            s,
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{xt}</text>",
+            px(xt),
+            h - m + 16.0
+        );
         xt += 1.0;
     }
     let mut yt = y_min;
@@ -466,7 +547,14 @@ fn svg(rows: &[Row]) -> String {
     }
     for (di, d) in domains.iter().enumerate() {
         let c = colours[di % colours.len()];
-        let _ = writeln!(s, "<circle cx=\"{}\" cy=\"{}\" r=\"5\" fill=\"{c}\"/><text x=\"{}\" y=\"{}\">{d}</text>", w - m - 80.0, m + 16.0 * di as f64, w - m - 70.0, m + 4.0 + 16.0 * di as f64);
+        let _ = writeln!(
+            s,
+            "<circle cx=\"{}\" cy=\"{}\" r=\"5\" fill=\"{c}\"/><text x=\"{}\" y=\"{}\">{d}</text>",
+            w - m - 80.0,
+            m + 16.0 * di as f64,
+            w - m - 70.0,
+            m + 4.0 + 16.0 * di as f64
+        );
         for r in pts.iter().filter(|r| r.domain == *d) {
             let _ = writeln!(
                 s,

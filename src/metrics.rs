@@ -1,1 +1,1159 @@
-//! Error measured where the cache is used (work in progress).
+//! Error measured where the cache is used: through attention.
+//!
+//! A KV cache is never read directly. Keys are read through the attention
+//! logits `z_t = s·q·k_t` and the softmax `p = softmax(z)`; values through
+//! the weighted sum `o = Σ_t p_t·v_t`. So the error that matters is the error
+//! of `p` and of `o`, not the reconstruction error of `K` and `V` — and the
+//! two can rank quantization schemes in opposite orders (see
+//! `docs/METRICS.md` and the demonstration in `tests/metrics_plan.rs`).
+//!
+//! For one attention head, with queries `Q [n_q, head_dim]`, keys and values
+//! `K, V [tokens, head_dim]` and their quantized versions `K̂, V̂`,
+//! [`AttentionErrors`] reports:
+//!
+//! | field | definition |
+//! |---|---|
+//! | `k_mse`, `v_mse` | `mean((x − x̂)²)` over all elements |
+//! | `k_rel`, `v_rel` | `‖x − x̂‖_F / ‖x‖_F` |
+//! | `logit_rms`, `logit_max` | RMS and max of `\|s·q_i·(k_t − k̂_t)\|` over visible `(i, t)` |
+//! | `kl` | `KL(p_i ‖ p̂_i)` in nats, mean over query positions |
+//! | `output_rel` | `‖O − Ô‖_F / ‖O‖_F`, `O = [o_1 … o_nq]` |
+//! | `top_k_overlap` | `\|top_k(p_i) ∩ top_k(p̂_i)\| / k`, mean over query positions |
+//!
+//! `s` is the softmax scale, `1/√head_dim` unless set. With a causal offset
+//! `c`, query `i` sees tokens `0 ..= c + i`. Sums run in `f64`; the softmax
+//! subtracts the row maximum, and log-probabilities are `z − logsumexp(z)`,
+//! so the KL is finite even where `p̂` underflows.
+//!
+//! Layers ([`layer_errors`]) take `Q [n_q, n_q_heads, head_dim]` and
+//! `K, V [tokens, n_kv_heads, head_dim]` (row-major, as an engine holds
+//! them), with grouped-query attention: query head `j` reads KV head
+//! `j / (n_q_heads / n_kv_heads)`. [`ErrorSummary`] aggregates heads and
+//! layers (mean, and worst).
+//!
+//! # Example: one head, keys per-channel vs per-token
+//! ```
+//! use kvq::metrics::{head_errors_quantized, MetricsConfig};
+//! use kvq::{Axis, Group, QuantScheme, UniformQuantizer};
+//! let (tokens, hd) = (64, 64);
+//! // Keys with one outlier channel (channel 0 is 20 in every token).
+//! let k: Vec<f32> = (0..tokens * hd)
+//!     .map(|i| if i % hd == 0 { 20.0 } else { ((i * 7919) % 17) as f32 / 8.0 - 1.0 })
+//!     .collect();
+//! let v: Vec<f32> = (0..tokens * hd).map(|i| ((i * 104729) % 23) as f32 / 11.0 - 1.0).collect();
+//! let q: Vec<f32> = k[5 * hd..6 * hd].to_vec(); // one query, aligned with token 5
+//! let v_exact = UniformQuantizer::new(QuantScheme::new(8, Axis::PerToken, Group::Head)?, 1, hd)?;
+//! let cfg = MetricsConfig::new();
+//! let mut rel = Vec::new();
+//! for axis in [Axis::PerToken, Axis::PerChannel] {
+//!     let kq = UniformQuantizer::new(QuantScheme::new(2, axis, Group::Size(64))?, 1, hd)?;
+//!     let e = head_errors_quantized(&q, &k, &v, hd, &kq, &v_exact, &cfg)?;
+//!     rel.push((e.k_mse, e.kl));
+//! }
+//! // Per-channel keys isolate the outlier channel: lower MSE *and* lower KL.
+//! assert!(rel[1].0 < rel[0].0 && rel[1].1 < rel[0].1);
+//! # Ok::<(), kvq::Error>(())
+//! ```
+
+use crate::element::Element;
+use crate::error::{Error, Result};
+use crate::quant::{check_finite, check_len, KvQuantizer};
+use std::ops::Range;
+
+/// How attention is computed for the metrics: softmax scale, causal mask and
+/// the `k` of the top-k overlap.
+///
+/// The default is scale `1/√head_dim`, no mask (every query sees every
+/// token), `k = 8`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MetricsConfig {
+    scale: Option<f64>,
+    causal_offset: Option<usize>,
+    top_k: usize,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MetricsConfig {
+    /// Scale `1/√head_dim`, not causal, top-8 overlap.
+    pub const fn new() -> Self {
+        MetricsConfig {
+            scale: None,
+            causal_offset: None,
+            top_k: 8,
+        }
+    }
+
+    /// Multiply logits by `scale` instead of `1/√head_dim` (checked when
+    /// used: it must be finite and positive).
+    pub fn with_scale(mut self, scale: f64) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+
+    /// Causal mask: query position `i` sees tokens `0 ..= offset + i`.
+    ///
+    /// For `n_q` queries that are the last `n_q` tokens of the context, the
+    /// offset is `tokens − n_q`; for a whole prefill (`n_q = tokens`) it is 0.
+    pub fn with_causal(mut self, offset: usize) -> Self {
+        self.causal_offset = Some(offset);
+        self
+    }
+
+    /// Use `k` for the top-k overlap (checked when used: at least 1). A
+    /// query that sees fewer than `k` tokens compares all it sees.
+    pub fn with_top_k(mut self, k: usize) -> Self {
+        self.top_k = k;
+        self
+    }
+
+    /// The scale set with [`with_scale`](Self::with_scale), if any.
+    pub fn scale(&self) -> Option<f64> {
+        self.scale
+    }
+    /// The causal offset, if the mask is on.
+    pub fn causal_offset(&self) -> Option<usize> {
+        self.causal_offset
+    }
+    /// The `k` of the top-k overlap.
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
+    /// The scale used for `head_dim`: the one set, or `1/√head_dim`.
+    pub fn scale_for(&self, head_dim: usize) -> f64 {
+        self.scale.unwrap_or(1.0 / (head_dim as f64).sqrt())
+    }
+
+    /// Check the configuration for `head_dim`, returning the scale.
+    pub(crate) fn check(&self, op: &'static str, head_dim: usize) -> Result<f64> {
+        let s = self.scale_for(head_dim);
+        if !(s.is_finite() && s > 0.0) {
+            return Err(Error::InvalidArgument {
+                op,
+                what: format!("softmax scale must be finite and positive, got {s}"),
+            });
+        }
+        if self.top_k == 0 {
+            return Err(Error::InvalidArgument {
+                op,
+                what: "top_k must be at least 1, got 0".into(),
+            });
+        }
+        Ok(s)
+    }
+
+    /// Tokens seen by each query at the given positions.
+    pub(crate) fn visible(
+        &self,
+        op: &'static str,
+        positions: &[usize],
+        n_q: usize,
+        tokens: usize,
+    ) -> Result<Vec<usize>> {
+        match self.causal_offset {
+            None => Ok(vec![tokens; positions.len()]),
+            Some(c) => {
+                if c.checked_add(n_q).is_none_or(|end| end > tokens) {
+                    return Err(Error::InvalidShape {
+                        op,
+                        what: format!(
+                            "causal offset {c} + {n_q} query positions is beyond {tokens} tokens"
+                        ),
+                    });
+                }
+                Ok(positions.iter().map(|&i| c + i + 1).collect())
+            }
+        }
+    }
+}
+
+/// The shape of one attention layer: query heads, KV heads, head dimension.
+///
+/// Grouped-query attention: `n_q_heads` is a multiple of `n_kv_heads`, and
+/// query head `j` reads KV head `j / (n_q_heads / n_kv_heads)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttnShape {
+    n_q_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl AttnShape {
+    /// A layer shape.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when a count is 0 or `n_q_heads` is not a
+    /// multiple of `n_kv_heads`.
+    pub fn new(n_q_heads: usize, n_kv_heads: usize, head_dim: usize) -> Result<Self> {
+        let op = "AttnShape::new";
+        if n_q_heads == 0 || n_kv_heads == 0 || head_dim == 0 {
+            return Err(Error::InvalidShape {
+                op,
+                what: format!(
+                    "heads and head_dim must be at least 1, got {n_q_heads} query heads, \
+                     {n_kv_heads} KV heads, head_dim {head_dim}"
+                ),
+            });
+        }
+        if !n_q_heads.is_multiple_of(n_kv_heads) {
+            return Err(Error::InvalidShape {
+                op,
+                what: format!("{n_q_heads} query heads is not a multiple of {n_kv_heads} KV heads"),
+            });
+        }
+        Ok(AttnShape {
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+        })
+    }
+    /// Query heads.
+    pub fn n_q_heads(&self) -> usize {
+        self.n_q_heads
+    }
+    /// KV heads.
+    pub fn n_kv_heads(&self) -> usize {
+        self.n_kv_heads
+    }
+    /// Channels per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.n_q_heads / self.n_kv_heads
+    }
+}
+
+/// Errors of one attention head (or their mean or worst over many; see
+/// [`ErrorSummary`]). All values are `f64`; relative errors are ratios (not
+/// percent). See the [module docs](self) for the definitions.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct AttentionErrors {
+    /// Mean squared reconstruction error of the keys.
+    pub k_mse: f64,
+    /// `‖K − K̂‖ / ‖K‖`.
+    pub k_rel: f64,
+    /// Mean squared reconstruction error of the values.
+    pub v_mse: f64,
+    /// `‖V − V̂‖ / ‖V‖`.
+    pub v_rel: f64,
+    /// RMS of the scaled logit error over every visible `(query, token)`.
+    pub logit_rms: f64,
+    /// Largest absolute scaled logit error.
+    pub logit_max: f64,
+    /// `KL(p ‖ p̂)` of the attention distribution, nats, mean over queries.
+    pub kl: f64,
+    /// `‖O − Ô‖ / ‖O‖` of the attention output, over all query positions.
+    pub output_rel: f64,
+    /// Mean fraction of the exact top-k attended tokens that are also in the
+    /// quantized top-k (1 is perfect).
+    pub top_k_overlap: f64,
+}
+
+impl AttentionErrors {
+    fn fields(&self) -> [f64; 9] {
+        [
+            self.k_mse,
+            self.k_rel,
+            self.v_mse,
+            self.v_rel,
+            self.logit_rms,
+            self.logit_max,
+            self.kl,
+            self.output_rel,
+            self.top_k_overlap,
+        ]
+    }
+    fn from_fields(f: [f64; 9]) -> Self {
+        AttentionErrors {
+            k_mse: f[0],
+            k_rel: f[1],
+            v_mse: f[2],
+            v_rel: f[3],
+            logit_rms: f[4],
+            logit_max: f[5],
+            kl: f[6],
+            output_rel: f[7],
+            top_k_overlap: f[8],
+        }
+    }
+}
+
+/// Errors aggregated over heads (and layers): the mean and the worst.
+///
+/// `worst` is the largest value of every error field and the *smallest*
+/// top-k overlap (overlap is better when higher).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ErrorSummary {
+    /// Heads aggregated.
+    pub count: usize,
+    /// Field-wise mean over the heads.
+    pub mean: AttentionErrors,
+    /// Field-wise worst over the heads.
+    pub worst: AttentionErrors,
+}
+
+impl ErrorSummary {
+    /// Mean and worst of per-head errors (all zeros when there are none).
+    pub fn of<'a, I: IntoIterator<Item = &'a AttentionErrors>>(heads: I) -> Self {
+        let mut sum = [0f64; 9];
+        let mut worst = [f64::NEG_INFINITY; 9];
+        worst[8] = f64::INFINITY;
+        let mut n = 0usize;
+        for h in heads {
+            let f = h.fields();
+            for i in 0..9 {
+                sum[i] += f[i];
+                worst[i] = if i == 8 {
+                    worst[i].min(f[i])
+                } else {
+                    worst[i].max(f[i])
+                };
+            }
+            n += 1;
+        }
+        if n == 0 {
+            return ErrorSummary::default();
+        }
+        ErrorSummary {
+            count: n,
+            mean: AttentionErrors::from_fields(sum.map(|s| s / n as f64)),
+            worst: AttentionErrors::from_fields(worst),
+        }
+    }
+
+    /// Combine summaries (of layers, say): the mean weighted by `count`,
+    /// and the worst of the worst.
+    pub fn combine<'a, I: IntoIterator<Item = &'a ErrorSummary>>(parts: I) -> Self {
+        let mut sum = [0f64; 9];
+        let mut worst = [f64::NEG_INFINITY; 9];
+        worst[8] = f64::INFINITY;
+        let mut n = 0usize;
+        for p in parts {
+            if p.count == 0 {
+                continue;
+            }
+            let (m, w) = (p.mean.fields(), p.worst.fields());
+            for i in 0..9 {
+                sum[i] += m[i] * p.count as f64;
+                worst[i] = if i == 8 {
+                    worst[i].min(w[i])
+                } else {
+                    worst[i].max(w[i])
+                };
+            }
+            n += p.count;
+        }
+        if n == 0 {
+            return ErrorSummary::default();
+        }
+        ErrorSummary {
+            count: n,
+            mean: AttentionErrors::from_fields(sum.map(|s| s / n as f64)),
+            worst: AttentionErrors::from_fields(worst),
+        }
+    }
+}
+
+/// Errors of every query head of a layer, and their summary.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerErrors {
+    /// One entry per query head, in order. Reconstruction errors are those
+    /// of the KV head the query head reads.
+    pub heads: Vec<AttentionErrors>,
+    /// Mean and worst over the query heads.
+    pub summary: ErrorSummary,
+}
+
+/// Errors of every layer of a model, and their summary over all heads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelErrors {
+    /// One entry per layer, in order.
+    pub layers: Vec<LayerErrors>,
+    /// Mean and worst over every query head of every layer.
+    pub summary: ErrorSummary,
+}
+
+/// Calibration data of one attention layer: `Q [n_q, n_q_heads, head_dim]`
+/// and `K, V [tokens, n_kv_heads, head_dim]`, full precision, row-major.
+///
+/// What [`Planner`](crate::plan::Planner) takes, one per full-attention
+/// layer. Keys are captured where the cache stores them (after `k_norm` and
+/// RoPE, if the model stores them so — see FINDINGS, study A).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerCapture {
+    shape: AttnShape,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    n_q: usize,
+    tokens: usize,
+}
+
+impl LayerCapture {
+    /// A capture (copied, widened to `f32`).
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `q` is not a positive multiple of
+    /// `n_q_heads·head_dim`, `k` not a positive multiple of
+    /// `n_kv_heads·head_dim`, or `v` not as long as `k`;
+    /// [`Error::NonFinite`] for NaN or infinite values.
+    pub fn new<T: Element>(shape: AttnShape, q: &[T], k: &[T], v: &[T]) -> Result<Self> {
+        let w = |x: &[T]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+        Self::from_vecs(shape, w(q), w(k), w(v))
+    }
+
+    /// A capture that takes ownership of `f32` buffers (no copy).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn from_vecs(shape: AttnShape, q: Vec<f32>, k: Vec<f32>, v: Vec<f32>) -> Result<Self> {
+        let op = "LayerCapture::new";
+        let (n_q, tokens) = check_layer(op, &shape, &q, &k, &v)?;
+        check_finite(op, &q, shape.n_q_heads, shape.head_dim, 0)?;
+        check_finite(op, &k, shape.n_kv_heads, shape.head_dim, 0)?;
+        check_finite(op, &v, shape.n_kv_heads, shape.head_dim, 0)?;
+        Ok(LayerCapture {
+            shape,
+            q,
+            k,
+            v,
+            n_q,
+            tokens,
+        })
+    }
+
+    /// The layer's shape.
+    pub fn shape(&self) -> AttnShape {
+        self.shape
+    }
+    /// Query positions.
+    pub fn queries(&self) -> usize {
+        self.n_q
+    }
+    /// Tokens of keys and values.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// Queries `[n_q, n_q_heads, head_dim]`.
+    pub fn q(&self) -> &[f32] {
+        &self.q
+    }
+    /// Keys `[tokens, n_kv_heads, head_dim]`.
+    pub fn k(&self) -> &[f32] {
+        &self.k
+    }
+    /// Values `[tokens, n_kv_heads, head_dim]`.
+    pub fn v(&self) -> &[f32] {
+        &self.v
+    }
+}
+
+/// Query positions and tokens of a layer, or a length error.
+fn check_layer(
+    op: &'static str,
+    shape: &AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+) -> Result<(usize, usize)> {
+    let qw = shape.n_q_heads * shape.head_dim;
+    let kw = shape.n_kv_heads * shape.head_dim;
+    if q.is_empty() || !q.len().is_multiple_of(qw) {
+        return Err(Error::Length {
+            op,
+            what: "query values (a positive multiple of n_q_heads·head_dim)",
+            expected: qw * (q.len() / qw).max(1),
+            got: q.len(),
+        });
+    }
+    if k.is_empty() || !k.len().is_multiple_of(kw) {
+        return Err(Error::Length {
+            op,
+            what: "key values (a positive multiple of n_kv_heads·head_dim)",
+            expected: kw * (k.len() / kw).max(1),
+            got: k.len(),
+        });
+    }
+    check_len(op, "values (as many as keys)", k.len(), v.len())?;
+    Ok((q.len() / qw, k.len() / kw))
+}
+
+/// Errors of one attention head from the exact and the quantized keys and
+/// values — from any quantizer, or from an existing cache (dequantize it and
+/// pass `k_hat`, `v_hat`).
+///
+/// `q` is `[n_q, head_dim]`; `k`, `v`, `k_hat`, `v_hat` are
+/// `[tokens, head_dim]`.
+///
+/// # Errors
+/// [`Error::Length`] for lengths that do not fit those shapes,
+/// [`Error::InvalidShape`] for `head_dim = 0` or a causal offset beyond the
+/// tokens, [`Error::InvalidArgument`] for a bad [`MetricsConfig`],
+/// [`Error::NonFinite`] for NaN or infinite input.
+pub fn head_errors<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    k_hat: &[f32],
+    v_hat: &[f32],
+    head_dim: usize,
+    cfg: &MetricsConfig,
+) -> Result<AttentionErrors> {
+    let shape = AttnShape::new(1, 1, head_dim)?;
+    let l = layer_errors(shape, q, k, v, k_hat, v_hat, cfg)?;
+    Ok(l.heads[0])
+}
+
+/// [`head_errors`] with the quantized keys and values made by `kq` and `vq`
+/// (any [`KvQuantizer`] built for one KV head of `head_dim` channels).
+///
+/// # Errors
+/// As [`head_errors`]; [`Error::SchemeShape`] when a quantizer is not for
+/// one head of `head_dim`; the quantizers' own errors.
+pub fn head_errors_quantized<T: Element, KQ: KvQuantizer, VQ: KvQuantizer>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    head_dim: usize,
+    kq: &KQ,
+    vq: &VQ,
+    cfg: &MetricsConfig,
+) -> Result<AttentionErrors> {
+    let shape = AttnShape::new(1, 1, head_dim)?;
+    let l = layer_errors_quantized(shape, q, k, v, kq, vq, cfg)?;
+    Ok(l.heads[0])
+}
+
+/// Errors of every query head of a layer.
+///
+/// `q` is `[n_q, n_q_heads, head_dim]`; `k`, `v`, `k_hat`, `v_hat` are
+/// `[tokens, n_kv_heads, head_dim]`.
+///
+/// # Errors
+/// As [`head_errors`].
+pub fn layer_errors<T: Element>(
+    shape: AttnShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    k_hat: &[f32],
+    v_hat: &[f32],
+    cfg: &MetricsConfig,
+) -> Result<LayerErrors> {
+    let op = "layer_errors";
+    let cap = LayerCapture::new(shape, q, k, v)?;
+    check_len(op, "dequantized key values", cap.k.len(), k_hat.len())?;
+    check_len(op, "dequantized values", cap.v.len(), v_hat.len())?;
+    check_finite(op, k_hat, shape.n_kv_heads, shape.head_dim, 0)?;
+    check_finite(op, v_hat, shape.n_kv_heads, shape.head_dim, 0)?;
+    capture_errors_hat(&cap, k_hat, v_hat, cfg)
+}
+
+/// [`layer_errors`] with `K̂`, `V̂` made by `kq` and `vq`.
+///
+/// # Errors
+/// As [`layer_errors`]; [`Error::SchemeShape`] when a quantizer's
+/// `n_kv_heads`/`head_dim` differ from `shape`; the quantizers' own errors.
+pub fn layer_errors_quantized<T: Element, KQ: KvQuantizer, VQ: KvQuantizer>(
+    shape: AttnShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    kq: &KQ,
+    vq: &VQ,
+    cfg: &MetricsConfig,
+) -> Result<LayerErrors> {
+    let cap = LayerCapture::new(shape, q, k, v)?;
+    capture_errors(&cap, kq, vq, cfg)
+}
+
+/// Errors of one captured layer under the quantizers `kq`, `vq`.
+///
+/// # Errors
+/// As [`layer_errors_quantized`].
+pub fn capture_errors<KQ: KvQuantizer, VQ: KvQuantizer>(
+    cap: &LayerCapture,
+    kq: &KQ,
+    vq: &VQ,
+    cfg: &MetricsConfig,
+) -> Result<LayerErrors> {
+    let op = "capture_errors";
+    let s = cap.shape;
+    for (name, nh, hd) in [
+        ("key", kq.n_kv_heads(), kq.head_dim()),
+        ("value", vq.n_kv_heads(), vq.head_dim()),
+    ] {
+        if nh != s.n_kv_heads || hd != s.head_dim {
+            return Err(Error::SchemeShape {
+                op,
+                what: format!(
+                    "{name} quantizer is for {nh} heads of {hd}, the layer has {} of {}",
+                    s.n_kv_heads, s.head_dim
+                ),
+            });
+        }
+    }
+    let k_hat = kq.roundtrip(&cap.k, cap.tokens)?;
+    let v_hat = vq.roundtrip(&cap.v, cap.tokens)?;
+    capture_errors_hat(cap, &k_hat, &v_hat, cfg)
+}
+
+/// Errors of every layer of a model under the same quantizers, with the
+/// summary over all heads of all layers.
+///
+/// # Errors
+/// As [`capture_errors`], for the first layer that fails.
+pub fn model_errors<KQ: KvQuantizer, VQ: KvQuantizer>(
+    captures: &[LayerCapture],
+    kq: &KQ,
+    vq: &VQ,
+    cfg: &MetricsConfig,
+) -> Result<ModelErrors> {
+    let layers = captures
+        .iter()
+        .map(|c| capture_errors(c, kq, vq, cfg))
+        .collect::<Result<Vec<_>>>()?;
+    let summary = ErrorSummary::combine(layers.iter().map(|l| &l.summary));
+    Ok(ModelErrors { layers, summary })
+}
+
+/// The core: `k_hat`/`v_hat` already checked against the capture.
+fn capture_errors_hat(
+    cap: &LayerCapture,
+    k_hat: &[f32],
+    v_hat: &[f32],
+    cfg: &MetricsConfig,
+) -> Result<LayerErrors> {
+    let op = "layer_errors";
+    let s = cap.shape;
+    let scale = cfg.check(op, s.head_dim)?;
+    let positions: Vec<usize> = (0..cap.n_q).collect();
+    let vis = cfg.visible(op, &positions, cap.n_q, cap.tokens)?;
+    let (hd, t, nkv) = (s.head_dim, cap.tokens, s.n_kv_heads);
+    let mut heads = Vec::with_capacity(s.n_q_heads);
+    for kvh in 0..nkv {
+        let k = head_rows(&cap.k, t, nkv, hd, kvh);
+        let v = head_rows(&cap.v, t, nkv, hd, kvh);
+        let kh = head_rows(k_hat, t, nkv, hd, kvh);
+        let vh = head_rows(v_hat, t, nkv, hd, kvh);
+        let (kr, vr) = (Recon::of(&k, &kh), Recon::of(&v, &vh));
+        let g = QueryGroup::new(cap, &positions, &vis, kvh);
+        let exact = Attention::new(&g.q, &g.vis, &k, t, hd, scale);
+        let quant = Attention::new(&g.q, &g.vis, &kh, t, hd, scale);
+        let top = exact.top_k(cfg.top_k);
+        let o = exact.output(&v, hd);
+        let oh = quant.output(&vh, hd);
+        for j in 0..s.group() {
+            let rows = g.rows(j);
+            let ks = KeyStats::of(&exact, &top, &quant, rows.clone(), cfg.top_k);
+            let (num, den) = rows_err(&o, &oh, rows, hd);
+            heads.push(assemble(&kr, &vr, &ks, ratio(num, den)));
+        }
+    }
+    let summary = ErrorSummary::of(&heads);
+    Ok(LayerErrors { heads, summary })
+}
+
+// ---------------------------------------------------------------------------
+// Building blocks, shared with the planner. Everything is f64; products are
+// register-blocked (results do not depend on how rows are grouped: every
+// cell is summed in the same order).
+
+/// Rows of head `h` of a `[rows, n_heads, hd]` tensor, contiguous, as f64.
+pub(crate) fn head_rows(x: &[f32], rows: usize, n_heads: usize, hd: usize, h: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(rows * hd);
+    for r in 0..rows {
+        let b = (r * n_heads + h) * hd;
+        out.extend(x[b..b + hd].iter().map(|&v| v as f64));
+    }
+    out
+}
+
+/// The queries of the query heads that read KV head `kvh`, stacked: rows
+/// `j·n + i` are query position `positions[i]` of the group's `j`-th head.
+pub(crate) struct QueryGroup {
+    pub(crate) q: Vec<f64>,
+    pub(crate) vis: Vec<usize>,
+    pub(crate) n: usize,
+}
+
+impl QueryGroup {
+    pub(crate) fn new(cap: &LayerCapture, positions: &[usize], vis: &[usize], kvh: usize) -> Self {
+        let s = cap.shape;
+        let (hd, nqh, g) = (s.head_dim, s.n_q_heads, s.group());
+        let mut q = Vec::with_capacity(g * positions.len() * hd);
+        let mut v = Vec::with_capacity(g * positions.len());
+        for j in 0..g {
+            let head = kvh * g + j;
+            for (&i, &n) in positions.iter().zip(vis) {
+                let b = (i * nqh + head) * hd;
+                q.extend(cap.q[b..b + hd].iter().map(|&x| x as f64));
+                v.push(n);
+            }
+        }
+        QueryGroup {
+            q,
+            vis: v,
+            n: positions.len(),
+        }
+    }
+    /// Rows of the group's `j`-th query head.
+    pub(crate) fn rows(&self, j: usize) -> Range<usize> {
+        j * self.n..(j + 1) * self.n
+    }
+}
+
+/// `(Σ ‖o_i − ô_i‖², Σ ‖o_i‖²)` over `rows` of `[m, hd]` outputs.
+pub(crate) fn rows_err(o: &[f64], oh: &[f64], rows: Range<usize>, hd: usize) -> (f64, f64) {
+    let r = rows.start * hd..rows.end * hd;
+    o[r.clone()]
+        .iter()
+        .zip(&oh[r])
+        .fold((0.0, 0.0), |(n, d), (a, b)| {
+            (n + (a - b) * (a - b), d + a * a)
+        })
+}
+
+/// `√(num/den)`, 0 for 0/0, ∞ for x/0.
+pub(crate) fn ratio(num: f64, den: f64) -> f64 {
+    if den > 0.0 {
+        (num / den).sqrt()
+    } else if num == 0.0 {
+        0.0
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// `Σ x·y` in two lanes (even, odd index) then the odd tail: the order every
+/// cell of [`matmul_nt`] uses.
+#[inline]
+fn dot2(x: &[f64], y: &[f64]) -> f64 {
+    let k = x.len().min(y.len());
+    let kk = k & !1;
+    let (mut a0, mut a1) = (0f64, 0f64);
+    for (p, q) in x[..kk].chunks_exact(2).zip(y[..kk].chunks_exact(2)) {
+        a0 += p[0] * q[0];
+        a1 += p[1] * q[1];
+    }
+    let mut s = a0 + a1;
+    if k > kk {
+        s += x[kk] * y[kk];
+    }
+    s
+}
+
+/// `C = A·Bᵀ`: `c[i·n + j] = Σ_p a[i·k + p]·b[j·k + p]`.
+pub(crate) fn matmul_nt(a: &[f64], b: &[f64], m: usize, n: usize, k: usize, c: &mut [f64]) {
+    let kk = k & !1;
+    let mut i = 0;
+    while i + 4 <= m {
+        let ar: [&[f64]; 4] = std::array::from_fn(|r| &a[(i + r) * k..(i + r + 1) * k]);
+        let mut j = 0;
+        while j + 2 <= n {
+            let br: [&[f64]; 2] = std::array::from_fn(|s| &b[(j + s) * k..(j + s + 1) * k]);
+            let mut acc = [[[0f64; 2]; 2]; 4];
+            let mut p = 0;
+            while p < kk {
+                for r in 0..4 {
+                    for s in 0..2 {
+                        for l in 0..2 {
+                            acc[r][s][l] += ar[r][p + l] * br[s][p + l];
+                        }
+                    }
+                }
+                p += 2;
+            }
+            for r in 0..4 {
+                for s in 0..2 {
+                    let mut v = acc[r][s][0] + acc[r][s][1];
+                    if k > kk {
+                        v += ar[r][kk] * br[s][kk];
+                    }
+                    c[(i + r) * n + j + s] = v;
+                }
+            }
+            j += 2;
+        }
+        for jj in j..n {
+            for r in 0..4 {
+                c[(i + r) * n + jj] = dot2(ar[r], &b[jj * k..(jj + 1) * k]);
+            }
+        }
+        i += 4;
+    }
+    for ii in i..m {
+        for jj in 0..n {
+            c[ii * n + jj] = dot2(&a[ii * k..(ii + 1) * k], &b[jj * k..(jj + 1) * k]);
+        }
+    }
+}
+
+/// `O = W·V`: `o[i·d + c] = Σ_t w[i·t_len + t]·v[t·d + c]`, summed over `t`
+/// in order.
+pub(crate) fn matmul_nn(w: &[f64], v: &[f64], m: usize, t_len: usize, d: usize) -> Vec<f64> {
+    let mut o = vec![0f64; m * d];
+    let mut i = 0;
+    let cell = |o: &mut [f64], i: usize, c: usize| {
+        let mut s = 0f64;
+        for t in 0..t_len {
+            s += w[i * t_len + t] * v[t * d + c];
+        }
+        o[i * d + c] = s;
+    };
+    while i + 4 <= m {
+        let mut c = 0;
+        while c + 4 <= d {
+            let mut acc = [[0f64; 4]; 4];
+            for t in 0..t_len {
+                let vr = &v[t * d + c..t * d + c + 4];
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let x = w[(i + r) * t_len + t];
+                    for l in 0..4 {
+                        row[l] += x * vr[l];
+                    }
+                }
+            }
+            for (r, row) in acc.iter().enumerate() {
+                o[(i + r) * d + c..(i + r) * d + c + 4].copy_from_slice(row);
+            }
+            c += 4;
+        }
+        for cc in c..d {
+            for r in 0..4 {
+                cell(&mut o, i + r, cc);
+            }
+        }
+        i += 4;
+    }
+    for ii in i..m {
+        for c in 0..d {
+            cell(&mut o, ii, c);
+        }
+    }
+    o
+}
+
+/// Reconstruction error sums of one head.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Recon {
+    pub(crate) err2: f64,
+    pub(crate) norm2: f64,
+    pub(crate) n: usize,
+}
+
+impl Recon {
+    pub(crate) fn of(x: &[f64], xh: &[f64]) -> Self {
+        let (mut e, mut n) = (0f64, 0f64);
+        for (&a, &b) in x.iter().zip(xh) {
+            let d = a - b;
+            e += d * d;
+            n += a * a;
+        }
+        Recon {
+            err2: e,
+            norm2: n,
+            n: x.len(),
+        }
+    }
+    pub(crate) fn mse(&self) -> f64 {
+        if self.n == 0 {
+            0.0
+        } else {
+            self.err2 / self.n as f64
+        }
+    }
+    pub(crate) fn rel(&self) -> f64 {
+        ratio(self.err2, self.norm2)
+    }
+}
+
+/// Scaled logits, log-probabilities and probabilities of `m` query rows
+/// against `t` tokens, dense `[m, t]`; row `i` sees its first `vis[i]`
+/// tokens (beyond them `p = 0`).
+#[derive(Debug, Clone)]
+pub(crate) struct Attention {
+    pub(crate) t: usize,
+    pub(crate) vis: Vec<usize>,
+    pub(crate) z: Vec<f64>,
+    pub(crate) logp: Vec<f64>,
+    pub(crate) p: Vec<f64>,
+}
+
+impl Attention {
+    /// `q [m, hd]` against `k [t, hd]`.
+    pub(crate) fn new(
+        q: &[f64],
+        vis: &[usize],
+        k: &[f64],
+        t: usize,
+        hd: usize,
+        scale: f64,
+    ) -> Self {
+        let m = vis.len();
+        let mut z = vec![0f64; m * t];
+        matmul_nt(q, k, m, t, hd, &mut z);
+        let mut logp = vec![0f64; m * t];
+        let mut p = vec![0f64; m * t];
+        for (i, &n) in vis.iter().enumerate() {
+            let r = i * t..i * t + n;
+            let zr = &mut z[r.clone()];
+            let mut mx = f64::NEG_INFINITY;
+            for s in zr.iter_mut() {
+                *s *= scale;
+                mx = mx.max(*s);
+            }
+            let pr = &mut p[r.clone()];
+            let mut sum = 0f64;
+            for (pt, &s) in pr.iter_mut().zip(zr.iter()) {
+                *pt = (s - mx).exp();
+                sum += *pt;
+            }
+            let (inv, lse) = (1.0 / sum, mx + sum.ln());
+            for ((pt, lp), &s) in pr.iter_mut().zip(&mut logp[r]).zip(zr.iter()) {
+                *pt *= inv;
+                *lp = s - lse;
+            }
+        }
+        Attention {
+            t,
+            vis: vis.to_vec(),
+            z,
+            logp,
+            p,
+        }
+    }
+
+    /// Visible cells of row `i`.
+    pub(crate) fn row(&self, i: usize) -> Range<usize> {
+        i * self.t..i * self.t + self.vis[i]
+    }
+
+    /// `o_i = Σ_t p_it·v_t`, `[m, hd]`.
+    pub(crate) fn output(&self, v: &[f64], hd: usize) -> Vec<f64> {
+        matmul_nn(&self.p, v, self.vis.len(), self.t, hd)
+    }
+
+    /// The top-`k` tokens of every row, sorted by index (ties in `p` go to
+    /// the lower index).
+    pub(crate) fn top_k(&self, k: usize) -> Vec<Vec<u32>> {
+        let mut buf = Vec::new();
+        (0..self.vis.len())
+            .map(|i| top_k_row(&self.p[self.row(i)], k, &mut buf))
+            .collect()
+    }
+}
+
+/// Indices of the `k` largest `p` (ties to the lower index), sorted by
+/// index. One pass with a small sorted buffer: `O(len·k)` worst case, about
+/// one comparison per element in practice.
+fn top_k_row(p: &[f64], k: usize, buf: &mut Vec<(f64, u32)>) -> Vec<u32> {
+    let k = k.min(p.len());
+    buf.clear();
+    if k == 0 {
+        return Vec::new();
+    }
+    for (t, &x) in p.iter().enumerate() {
+        // Later indices lose ties, so only a strictly larger value enters.
+        if buf.len() == k {
+            if x <= buf[k - 1].0 {
+                continue;
+            }
+            buf.pop();
+        }
+        let at = buf.partition_point(|&(y, _)| y >= x);
+        buf.insert(at, (x, t as u32));
+    }
+    let mut top: Vec<u32> = buf.iter().map(|&(_, t)| t).collect();
+    top.sort_unstable();
+    top
+}
+
+/// The key side of the errors: everything that depends on `p̂` only.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct KeyStats {
+    pub(crate) logit_rms: f64,
+    pub(crate) logit_max: f64,
+    pub(crate) kl: f64,
+    pub(crate) top_k_overlap: f64,
+}
+
+impl KeyStats {
+    /// Over the query rows `rows`.
+    pub(crate) fn of(
+        exact: &Attention,
+        exact_top: &[Vec<u32>],
+        quant: &Attention,
+        rows: Range<usize>,
+        k: usize,
+    ) -> Self {
+        let (mut sq, mut mx, mut kl, mut ov) = (0f64, 0f64, 0f64, 0f64);
+        let mut cells = 0usize;
+        let mut buf = Vec::new();
+        let n_q = rows.len();
+        for i in rows {
+            let r = exact.row(i);
+            cells += r.len();
+            let mut kl_i = 0f64;
+            for t in r.clone() {
+                let d = exact.z[t] - quant.z[t];
+                sq += d * d;
+                mx = mx.max(d.abs());
+                kl_i += exact.p[t] * (exact.logp[t] - quant.logp[t]);
+            }
+            kl += kl_i.max(0.0);
+            let top = top_k_row(&quant.p[r], k, &mut buf);
+            let want = &exact_top[i];
+            if !want.is_empty() {
+                let common = top.iter().filter(|t| want.binary_search(t).is_ok()).count();
+                ov += common as f64 / want.len() as f64;
+            }
+        }
+        let per_q = |x: f64| if n_q > 0 { x / n_q as f64 } else { 0.0 };
+        KeyStats {
+            logit_rms: if cells > 0 {
+                (sq / cells as f64).sqrt()
+            } else {
+                0.0
+            },
+            logit_max: mx,
+            kl: per_q(kl),
+            top_k_overlap: per_q(ov),
+        }
+    }
+}
+
+pub(crate) fn assemble(k: &Recon, v: &Recon, ks: &KeyStats, output_rel: f64) -> AttentionErrors {
+    AttentionErrors {
+        k_mse: k.mse(),
+        k_rel: k.rel(),
+        v_mse: v.mse(),
+        v_rel: v.rel(),
+        logit_rms: ks.logit_rms,
+        logit_max: ks.logit_max,
+        kl: ks.kl,
+        output_rel,
+        top_k_overlap: ks.top_k_overlap,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_input_has_zero_error() {
+        let hd = 8;
+        let k: Vec<f32> = (0..10 * hd).map(|i| (i as f32 * 0.3).sin()).collect();
+        let v: Vec<f32> = (0..10 * hd).map(|i| (i as f32 * 0.7).cos()).collect();
+        let q: Vec<f32> = (0..3 * hd).map(|i| (i as f32 * 1.3).sin()).collect();
+        let e = head_errors(&q, &k, &v, &k, &v, hd, &MetricsConfig::new()).unwrap();
+        assert_eq!(
+            e,
+            AttentionErrors {
+                top_k_overlap: 1.0,
+                ..Default::default()
+            }
+        );
+    }
+
+    #[test]
+    fn kl_matches_direct_formula() {
+        let hd = 8;
+        let k: Vec<f32> = (0..5 * hd).map(|i| (i as f32 * 0.3).sin() * 3.0).collect();
+        let kh: Vec<f32> = k.iter().map(|x| x + 0.1).collect();
+        let q: Vec<f32> = (0..hd).map(|i| i as f32 * 0.5).collect();
+        let s = 0.5;
+        let cfg = MetricsConfig::new().with_scale(s);
+        let e = head_errors(&q, &k, &k, &kh, &k, hd, &cfg).unwrap();
+        let sm = |kk: &[f32]| {
+            let z: Vec<f64> = (0..5)
+                .map(|t| {
+                    let kt = &kk[t * hd..(t + 1) * hd];
+                    s * q
+                        .iter()
+                        .zip(kt)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                })
+                .collect();
+            let m = z.iter().cloned().fold(f64::MIN, f64::max);
+            let sum: f64 = z.iter().map(|x| (x - m).exp()).sum();
+            z.iter().map(|x| (x - m).exp() / sum).collect::<Vec<_>>()
+        };
+        let (p, ph) = (sm(&k), sm(&kh));
+        let kl: f64 = p.iter().zip(&ph).map(|(a, b)| a * (a / b).ln()).sum();
+        assert!((e.kl - kl).abs() < 1e-12, "{} vs {kl}", e.kl);
+    }
+
+    #[test]
+    fn blocked_products_match_naive_and_each_other() {
+        let f = |n: usize, a: f64| (0..n).map(|i| (i as f64 * a).sin()).collect::<Vec<f64>>();
+        for (m, n, k) in [(1, 1, 1), (5, 3, 7), (8, 9, 16), (13, 2, 5), (4, 2, 2)] {
+            let (a, b) = (f(m * k, 0.37), f(n * k, 0.11));
+            let mut c = vec![0.0; m * n];
+            matmul_nt(&a, &b, m, n, k, &mut c);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k).map(|p| a[i * k + p] * b[j * k + p]).sum();
+                    assert!((c[i * n + j] - want).abs() < 1e-12);
+                    // Every cell is summed in the same order, wherever it is.
+                    let mut one = [0.0];
+                    matmul_nt(
+                        &a[i * k..(i + 1) * k],
+                        &b[j * k..(j + 1) * k],
+                        1,
+                        1,
+                        k,
+                        &mut one,
+                    );
+                    assert_eq!(one[0], c[i * n + j]);
+                }
+            }
+            let (w, v) = (f(m * n, 0.7), f(n * k, 0.3));
+            let o = matmul_nn(&w, &v, m, n, k);
+            for i in 0..m {
+                let row = matmul_nn(&w[i * n..(i + 1) * n], &v, 1, n, k);
+                assert_eq!(&o[i * k..(i + 1) * k], &row[..]);
+                for c in 0..k {
+                    let want: f64 = (0..n).map(|t| w[i * n + t] * v[t * k + c]).sum();
+                    assert!((o[i * k + c] - want).abs() < 1e-12);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn top_k_matches_a_full_sort() {
+        let mut buf = Vec::new();
+        let rows: [&[f64]; 4] = [
+            &[0.1, 0.5, 0.5, 0.2, 0.9, 0.0, 0.5],
+            &[0.25; 6],
+            &[1.0],
+            &[0.3, 0.1, 0.2],
+        ];
+        for p in rows {
+            for k in 1..=8 {
+                let mut idx: Vec<u32> = (0..p.len() as u32).collect();
+                idx.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+                let mut want = idx[..k.min(p.len())].to_vec();
+                want.sort_unstable();
+                assert_eq!(top_k_row(p, k, &mut buf), want, "{p:?} k={k}");
+            }
+        }
+    }
+
+    #[test]
+    fn causal_rows_see_a_prefix() {
+        let cfg = MetricsConfig::new().with_causal(2);
+        assert_eq!(cfg.visible("t", &[0, 1, 2], 3, 5).unwrap(), vec![3, 4, 5]);
+        assert!(cfg.visible("t", &[0, 1, 2], 3, 4).is_err());
+    }
+}

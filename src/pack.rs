@@ -67,7 +67,7 @@ fn check(n: usize, bits: u8, packed: usize) {
         "pack: bits must be 1..=8, got {bits}"
     );
     assert!(
-        n % 8 == 0,
+        n.is_multiple_of(8),
         "pack: row length must be a multiple of 8, got {n}"
     );
     assert_eq!(

@@ -237,7 +237,7 @@ impl QuantScheme {
             });
         }
         match (axis, group) {
-            (_, Group::Size(n)) if n == 0 || n % 8 != 0 => {
+            (_, Group::Size(n)) if n == 0 || !n.is_multiple_of(8) => {
                 return Err(Error::InvalidScheme {
                     what: format!("group size must be a positive multiple of 8, got {n}"),
                 })
@@ -431,7 +431,7 @@ impl Layout {
         check_shape("layout", n_kv_heads, head_dim)?;
         let group_len = match (scheme.axis, scheme.group) {
             (Axis::PerToken, Group::Size(n)) => {
-                if head_dim % n != 0 {
+                if !head_dim.is_multiple_of(n) {
                     return Err(Error::SchemeShape {
                         op: "layout",
                         what: format!(
@@ -580,7 +580,7 @@ pub(crate) fn check_shape(op: &'static str, n_kv_heads: usize, head_dim: usize) 
             what: "n_kv_heads must be at least 1, got 0".into(),
         });
     }
-    if head_dim == 0 || head_dim % 8 != 0 {
+    if head_dim == 0 || !head_dim.is_multiple_of(8) {
         return Err(Error::InvalidShape {
             op,
             what: format!("head_dim must be a positive multiple of 8, got {head_dim}"),

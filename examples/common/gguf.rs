@@ -114,11 +114,16 @@ impl fmt::Display for GgufError {
             }
             GgufError::UnknownValueType(t) => write!(f, "unknown metadata value type {t}"),
             GgufError::UnknownTensorType(t) => write!(f, "unknown ggml tensor type {t}"),
-            GgufError::InvalidUtf8 { offset } => write!(f, "invalid UTF-8 in string at byte {offset}"),
+            GgufError::InvalidUtf8 { offset } => {
+                write!(f, "invalid UTF-8 in string at byte {offset}")
+            }
             GgufError::TooDeep => write!(f, "metadata arrays nested too deeply"),
             GgufError::BadShape(n) => write!(f, "tensor {n:?} has an invalid shape"),
             GgufError::BadBlockShape(n) => {
-                write!(f, "tensor {n:?}: row length is not a multiple of the block size")
+                write!(
+                    f,
+                    "tensor {n:?}: row length is not a multiple of the block size"
+                )
             }
             GgufError::BadTensorOffset(n) => {
                 write!(f, "tensor {n:?}: data is misaligned or outside the file")
@@ -131,7 +136,10 @@ impl fmt::Display for GgufError {
             }
             GgufError::MissingTensor(n) => write!(f, "no tensor named {n:?}"),
             GgufError::UnsupportedDequant { name, ty } => {
-                write!(f, "tensor {name:?}: dequantization of {ty:?} is not implemented")
+                write!(
+                    f,
+                    "tensor {name:?}: dequantization of {ty:?} is not implemented"
+                )
             }
         }
     }

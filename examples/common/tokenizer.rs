@@ -69,8 +69,10 @@ pub struct Tokenizer {
     ids: HashMap<String, u32>,
     /// (left id, right id) -> (rank, merged id).
     merges: HashMap<(u32, u32), (u32, u32)>,
-    /// Id of the single-byte token for each byte.
-    byte_ids: [u32; 256],
+    /// Id of the single-byte token for each byte (some byte-level vocabularies
+    /// lack bytes that never occur in UTF-8 text, e.g. 0xC0, or in training
+    /// data, e.g. most control characters).
+    byte_ids: [Option<u32>; 256],
     pre: Regex,
 }
 
@@ -125,12 +127,9 @@ impl Tokenizer {
             token_bytes.push(bytes);
         }
 
-        let mut byte_ids = [0u32; 256];
+        let mut byte_ids = [None; 256];
         for (b, &ch) in b2c.iter().enumerate() {
-            match ids.get(ch.to_string().as_str()) {
-                Some(&id) => byte_ids[b] = id,
-                None => return err(format!("vocabulary lacks the byte token for 0x{b:02x}")),
-            }
+            byte_ids[b] = ids.get(ch.to_string().as_str()).copied();
         }
 
         let mut merge_map = HashMap::new();
@@ -208,8 +207,16 @@ impl Tokenizer {
     }
 
     /// BPE-merge one pre-token's bytes into ids, appending to `out`.
-    fn bpe(&self, piece: &str, out: &mut Vec<u32>) {
-        let mut syms: Vec<u32> = piece.bytes().map(|b| self.byte_ids[b as usize]).collect();
+    ///
+    /// Fails if a byte has no token: encoding must stay exactly invertible.
+    fn bpe(&self, piece: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
+        let mut syms = Vec::with_capacity(piece.len());
+        for b in piece.bytes() {
+            match self.byte_ids[b as usize] {
+                Some(id) => syms.push(id),
+                None => return err(format!("byte 0x{b:02x} (in {piece:?}) has no token")),
+            }
+        }
         loop {
             // Leftmost occurrence of the best-ranked mergeable pair.
             let best = syms
@@ -226,6 +233,7 @@ impl Tokenizer {
             }
         }
         out.extend_from_slice(&syms);
+        Ok(())
     }
 
     /// Encode text to token ids (no BOS/EOS, no special-token parsing).
@@ -238,7 +246,7 @@ impl Tokenizer {
                 continue;
             }
             let start = out.len();
-            self.bpe(piece, &mut out);
+            self.bpe(piece, &mut out)?;
             cache.insert(piece, (start, out.len() - start));
         }
         Ok(out)

@@ -10,13 +10,49 @@
 //! All kernels take several queries at once (the query heads that share a
 //! KV head under GQA) and unpack each code row once for all of them.
 //!
-//! The layout follows the hardware: [`reference`] is the oracle,
-//! `portable` runs anywhere, and architecture files hold the SIMD versions.
-//! A [`Backend`] is chosen once at run time (or forced).
+//! In the SIMD backends, per-token keys and values are dequantized into a
+//! tile buffer in L1 as `fma(code, scale, zero)` (shared by all the queries
+//! of a KV head), which costs the same as folding scales per group and
+//! handles every group size alike.
+//!
+//! The layout follows the hardware: [`reference`](mod@reference) is the
+//! oracle, `portable` runs anywhere, and architecture files hold the SIMD
+//! versions (`x86_64/avx2.rs`, `x86_64/avx512.rs`, both instances of the
+//! generic tile kernels in `x86_64/tile.rs`). A [`Backend`] is chosen once
+//! at run time (or forced). [`dense`] holds the unquantized f32/f16
+//! baselines.
+//!
+//! # Hardware
+//!
+//! | backend | needs | vector | tile |
+//! |---|---|---|---|
+//! | [`Backend::Avx512`] | x86-64 AVX-512F/BW/VL, AVX2, FMA, F16C | 16 × f32 | 16 tokens |
+//! | [`Backend::Avx2`] | x86-64 AVX2, FMA, F16C | 8 × f32 | 8 tokens |
+//! | [`Backend::Portable`] | any CPU | — | 1 token |
+//!
+//! Detection uses `is_x86_feature_detected!` at run time, once; nothing
+//! depends on `-C target-cpu`. Every bit width 1–8, both axes and all scale
+//! formats run on every backend. The SIMD backends unpack with one shift
+//! and one mask per vector whenever each plane of a row is a whole (or, on
+//! AVX-512, a half) number of vectors — every width at `head_dim` 128 or
+//! 256, every width at 64 — and otherwise through
+//! [`pack::unpack`](crate::pack::unpack) followed by the same vector math.
+//!
+//! # Numerics
+//!
+//! All backends compute in `f32` from the stored scales and zeros, and
+//! agree with [`reference`](mod@reference) (dequantize, then `f64` math) to
+//! about `1e-6` of `Σ_c |q_c·k̂_c|` for scores and of `Σ_t |p_t·v̂_t|` for
+//! weighted sums. The SIMD backends use FMA and another summation order
+//! than the portable one, so backends differ in the last bits; force
+//! [`Backend::Portable`] for results identical across machines.
 
+pub mod dense;
 pub mod reference;
 
 mod portable;
+#[cfg(target_arch = "x86_64")]
+mod x86_64;
 
 use crate::error::{Error, Result};
 use crate::store::PackedHead;
@@ -35,13 +71,17 @@ use std::sync::atomic::{AtomicU8, Ordering};
 pub enum Backend {
     /// Plain Rust; every CPU.
     Portable,
+    /// x86-64 with AVX2, FMA and F16C: 256-bit vectors.
+    Avx2,
+    /// x86-64 with AVX-512F/BW/VL (and AVX2, FMA, F16C): 512-bit vectors.
+    Avx512,
 }
 
 static DETECTED: AtomicU8 = AtomicU8::new(0);
 
 impl Backend {
     /// Every backend this build knows, best last.
-    pub const ALL: &'static [Backend] = &[Backend::Portable];
+    pub const ALL: &'static [Backend] = &[Backend::Portable, Backend::Avx2, Backend::Avx512];
 
     /// The best backend this CPU supports (detected once, then cached).
     pub fn detect() -> Backend {
@@ -57,7 +97,10 @@ impl Backend {
 
     fn detect_uncached() -> Backend {
         if let Ok(v) = std::env::var("KVQ_BACKEND") {
-            if let Some(b) = Self::ALL.iter().find(|b| b.name() == v.to_ascii_lowercase()) {
+            if let Some(b) = Self::ALL
+                .iter()
+                .find(|b| b.name() == v.to_ascii_lowercase())
+            {
                 if b.is_available() {
                     return *b;
                 }
@@ -73,6 +116,8 @@ impl Backend {
     fn id(self) -> u8 {
         match self {
             Backend::Portable => 1,
+            Backend::Avx2 => 2,
+            Backend::Avx512 => 3,
         }
     }
     fn from_id(id: u8) -> Backend {
@@ -87,18 +132,30 @@ impl Backend {
     pub fn is_available(self) -> bool {
         match self {
             Backend::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx2 => x86_64::Avx2::new().is_some(),
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx512 => x86_64::Avx512::new().is_some(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Backend::Avx2 | Backend::Avx512 => false,
         }
     }
 
     /// Every backend this CPU can run.
     pub fn available() -> Vec<Backend> {
-        Self::ALL.iter().copied().filter(|b| b.is_available()).collect()
+        Self::ALL
+            .iter()
+            .copied()
+            .filter(|b| b.is_available())
+            .collect()
     }
 
     /// Lowercase name (`"portable"`, `"avx2"`, `"avx512"`).
     pub fn name(self) -> &'static str {
         match self {
             Backend::Portable => "portable",
+            Backend::Avx2 => "avx2",
+            Backend::Avx512 => "avx512",
         }
     }
 }
@@ -148,12 +205,31 @@ pub fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) -> Result<()> {
 ///
 /// # Errors
 /// As [`scores`].
-pub fn scores_on(backend: Backend, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) -> Result<()> {
+pub fn scores_on(
+    backend: Backend,
+    head: &PackedHead<'_>,
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
     let nq = check_queries("scores", head.layout().head_dim(), q.len())?;
     crate::quant::check_len("scores", "output logits", nq * head.tokens(), out.len())?;
+    #[cfg(target_arch = "x86_64")]
     match backend {
-        Backend::Portable => portable::scores(head, q, out),
+        Backend::Avx512 => {
+            if let Some(s) = x86_64::Avx512::new() {
+                s.scores(head, q, out);
+                return Ok(());
+            }
+        }
+        Backend::Avx2 => {
+            if let Some(s) = x86_64::Avx2::new() {
+                s.scores(head, q, out);
+                return Ok(());
+            }
+        }
+        Backend::Portable => {}
     }
+    portable::scores(head, q, out);
     Ok(())
 }
 
@@ -182,8 +258,22 @@ pub fn weighted_sum_on(
 ) -> Result<()> {
     let nq = check_queries("weighted_sum", head.layout().head_dim(), out.len())?;
     crate::quant::check_len("weighted_sum", "probabilities", nq * head.tokens(), p.len())?;
+    #[cfg(target_arch = "x86_64")]
     match backend {
-        Backend::Portable => portable::weighted_sum(head, p, out),
+        Backend::Avx512 => {
+            if let Some(s) = x86_64::Avx512::new() {
+                s.weighted_sum(head, p, out);
+                return Ok(());
+            }
+        }
+        Backend::Avx2 => {
+            if let Some(s) = x86_64::Avx2::new() {
+                s.weighted_sum(head, p, out);
+                return Ok(());
+            }
+        }
+        Backend::Portable => {}
     }
+    portable::weighted_sum(head, p, out);
     Ok(())
 }

@@ -94,7 +94,11 @@ pub(crate) fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
                     let pt = p[i * t_all + t];
                     let a = &mut acc[i * hd..(i + 1) * hd];
                     for g in 0..gpr {
-                        axpy(pt * sc[g], &cf[g * cpg..(g + 1) * cpg], &mut a[g * cpg..(g + 1) * cpg]);
+                        axpy(
+                            pt * sc[g],
+                            &cf[g * cpg..(g + 1) * cpg],
+                            &mut a[g * cpg..(g + 1) * cpg],
+                        );
                         zacc[i * gpr + g] += pt * ze[g];
                     }
                 }

@@ -22,7 +22,11 @@ pub fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
         let qi = &q[i * hd..(i + 1) * hd];
         for j in 0..t {
             let kj = &k[j * hd..(j + 1) * hd];
-            out[i * t + j] = qi.iter().zip(kj).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32;
+            out[i * t + j] = qi
+                .iter()
+                .zip(kj)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum::<f64>() as f32;
         }
     }
 }
@@ -42,7 +46,9 @@ pub fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     head.dequantize_into(&mut v);
     for i in 0..nq {
         for c in 0..hd {
-            let s: f64 = (0..t).map(|j| p[i * t + j] as f64 * v[j * hd + c] as f64).sum();
+            let s: f64 = (0..t)
+                .map(|j| p[i * t + j] as f64 * v[j * hd + c] as f64)
+                .sum();
             out[i * hd + c] = (out[i * hd + c] as f64 + s) as f32;
         }
     }

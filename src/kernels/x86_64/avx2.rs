@@ -1,0 +1,260 @@
+//! AVX2 kernels: 256-bit vectors, 8 lanes, tiles of 8 tokens.
+//!
+//! Needs AVX2, FMA and F16C (Haswell and later, Zen and later).
+//! Everything in this file may use those instructions and no others.
+
+use super::tile::{self, DenseElem};
+use super::Simd;
+use crate::store::PackedHead;
+use core::arch::x86_64::*;
+
+/// Proof that the CPU runs this file's instructions (see [`Avx2::new`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Avx2(());
+
+impl Avx2 {
+    /// `Some` only when the CPU has AVX2, FMA and F16C.
+    #[inline]
+    pub(crate) fn new() -> Option<Avx2> {
+        let ok = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        ok.then_some(Avx2(()))
+    }
+
+    /// Packed scores (see [`crate::kernels::scores`]).
+    ///
+    /// # Panics
+    /// If the lengths do not fit the head (the public wrappers have
+    /// already returned an error for those).
+    pub(crate) fn scores(self, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+        super::check_head(head, q.len(), out.len());
+        // SAFETY: `self` proves the features `scores_entry` enables;
+        // `check_head` asserted the lengths its raw loops rely on.
+        unsafe { scores_entry(self, head, q, out) }
+    }
+
+    /// Packed weighted sum (see [`crate::kernels::weighted_sum`]).
+    ///
+    /// # Panics
+    /// As [`scores`](Self::scores).
+    pub(crate) fn weighted_sum(self, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+        super::check_head(head, out.len(), p.len());
+        // SAFETY: as in `scores`.
+        unsafe { weighted_sum_entry(self, head, p, out) }
+    }
+
+    /// Dense scores over `[tokens, hd]` keys.
+    pub(crate) fn dense_scores<E: DenseElem>(self, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
+        // SAFETY: `self` proves the features; the kernel asserts lengths.
+        unsafe { dense_scores_entry(self, hd, k, q, out) }
+    }
+
+    /// Dense weighted sum over `[tokens, hd]` values.
+    pub(crate) fn dense_weighted_sum<E: DenseElem>(self, hd: usize, v: &[E], p: &[f32], out: &mut [f32]) {
+        // SAFETY: `self` proves the features; the kernel asserts lengths.
+        unsafe { dense_weighted_sum_entry(self, hd, v, p, out) }
+    }
+}
+
+/// # Safety
+/// The CPU has the enabled features; `check_head(head, q.len(), out.len())` passed.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_entry(s: Avx2, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { by_shape!(scores_b, head, s, head, q, out) }
+}
+
+/// # Safety
+/// As [`scores_entry`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_b<const B: u8, const HD: usize>(s: Avx2, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { tile::scores::<Avx2, B, HD>(s, head, q, out) }
+}
+
+/// # Safety
+/// The CPU has the enabled features; `check_head(head, out.len(), p.len())` passed.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn weighted_sum_entry(s: Avx2, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { by_shape!(weighted_sum_b, head, s, head, p, out) }
+}
+
+/// # Safety
+/// As [`weighted_sum_entry`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn weighted_sum_b<const B: u8, const HD: usize>(s: Avx2, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { tile::weighted_sum::<Avx2, B, HD>(s, head, p, out) }
+}
+
+/// # Safety
+/// The CPU has the enabled features.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_scores_entry<E: DenseElem>(s: Avx2, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
+    tile::dense_scores(s, hd, k, q, out)
+}
+
+/// # Safety
+/// The CPU has the enabled features.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_weighted_sum_entry<E: DenseElem>(s: Avx2, hd: usize, v: &[E], p: &[f32], out: &mut [f32]) {
+    tile::dense_weighted_sum(s, hd, v, p, out)
+}
+
+// SAFETY: an `Avx2` exists only when `Avx2::new` found every feature the
+// methods below use (AVX2, FMA, F16C; AVX and SSE come with AVX2).
+unsafe impl Simd for Avx2 {
+    const REGS: usize = 16;
+    const L: usize = 8;
+    type F = __m256;
+    type I = __m256i;
+
+    #[inline(always)]
+    fn zero(self) -> __m256 {
+        // SAFETY: `self` proves AVX2 (this and every block below).
+        unsafe { _mm256_setzero_ps() }
+    }
+    #[inline(always)]
+    fn splat(self, x: f32) -> __m256 {
+        // SAFETY: AVX.
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    fn add(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX.
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX.
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn fma(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+        // SAFETY: FMA.
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn cvt(self, v: __m256i) -> __m256 {
+        // SAFETY: AVX.
+        unsafe { _mm256_cvtepi32_ps(v) }
+    }
+    #[inline(always)]
+    fn shr_mask(self, v: __m256i, sh: i32, mask: u32) -> __m256i {
+        // SAFETY: AVX2. `sh` is a constant after unrolling, so these
+        // become immediate shifts.
+        unsafe {
+            let v = if sh >= 0 {
+                _mm256_srlv_epi32(v, _mm256_set1_epi32(sh))
+            } else {
+                _mm256_sllv_epi32(v, _mm256_set1_epi32(-sh))
+            };
+            _mm256_and_si256(v, _mm256_set1_epi32(mask as i32))
+        }
+    }
+    #[inline(always)]
+    fn shr_pair_mask(self, v: __m256i, a: u32, b: u32, mask: u32, sh: u32) -> __m256i {
+        // SAFETY: AVX2.
+        unsafe {
+            let counts = _mm256_blend_epi32::<0xF0>(_mm256_set1_epi32(a as i32), _mm256_set1_epi32(b as i32));
+            let v = _mm256_and_si256(_mm256_srlv_epi32(v, counts), _mm256_set1_epi32(mask as i32));
+            _mm256_sllv_epi32(v, _mm256_set1_epi32(sh as i32))
+        }
+    }
+    #[inline(always)]
+    fn or(self, a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: AVX2.
+        unsafe { _mm256_or_si256(a, b) }
+    }
+    #[inline(always)]
+    fn reduce(self, a: &[__m256; 16]) -> __m256 {
+        // Two rounds of horizontal adds leave, in each 128-bit half, the
+        // four partial sums of tokens 0–3 (u0) or 4–7 (u1); adding the
+        // halves finishes them, in order.
+        // SAFETY: AVX.
+        unsafe {
+            let t0 = _mm256_hadd_ps(a[0], a[1]);
+            let t1 = _mm256_hadd_ps(a[2], a[3]);
+            let t2 = _mm256_hadd_ps(a[4], a[5]);
+            let t3 = _mm256_hadd_ps(a[6], a[7]);
+            let u0 = _mm256_hadd_ps(t0, t1);
+            let u1 = _mm256_hadd_ps(t2, t3);
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(u0, u1),
+                _mm256_permute2f128_ps::<0x31>(u0, u1),
+            )
+        }
+    }
+    #[inline(always)]
+    fn hsum(self, a: __m256) -> f32 {
+        // SAFETY: AVX and SSE3.
+        unsafe {
+            let x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+            let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+            let x = _mm_add_ss(x, _mm_movehdup_ps(x));
+            _mm_cvtss_f32(x)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, p: *const f32) -> __m256 {
+        // SAFETY: the caller's contract (8 floats); AVX.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, v: __m256) {
+        // SAFETY: the caller's contract (8 floats); AVX.
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn load_i(self, p: *const f32) -> __m256i {
+        // SAFETY: the caller's contract (8 floats); AVX.
+        unsafe { _mm256_castps_si256(_mm256_loadu_ps(p)) }
+    }
+    #[inline(always)]
+    unsafe fn store_i(self, p: *mut f32, v: __m256i) {
+        // SAFETY: the caller's contract (8 floats); AVX.
+        unsafe { _mm256_storeu_ps(p, _mm256_castsi256_ps(v)) }
+    }
+    #[inline(always)]
+    unsafe fn bcast(self, p: *const f32) -> __m256 {
+        // SAFETY: the caller's contract (one float); AVX.
+        unsafe { _mm256_set1_ps(*p) }
+    }
+    #[inline(always)]
+    unsafe fn load_u8(self, p: *const u8) -> __m256i {
+        // SAFETY: the caller's contract (8 bytes; `_mm_loadl_epi64` reads
+        // exactly 8, unaligned); AVX2.
+        unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn load_u8_dup(self, p: *const u8) -> __m256i {
+        // SAFETY: the caller's contract (4 bytes, read unaligned); AVX2.
+        unsafe {
+            let x = _mm_cvtsi32_si128((p as *const i32).read_unaligned());
+            _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(x, x))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(self, p: *const u8) -> __m256 {
+        // SAFETY: the caller's contract (16 bytes, unaligned); F16C.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(self, p: *const u8) -> __m256 {
+        // SAFETY: the caller's contract (16 bytes, unaligned); AVX2.
+        // A bfloat16 is the high half of the f32 with the same bits.
+        unsafe {
+            let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_f32_bytes(self, p: *const u8) -> __m256 {
+        // SAFETY: the caller's contract (32 bytes); `loadu` has no
+        // alignment requirement; AVX.
+        unsafe { _mm256_loadu_ps(p as *const f32) }
+    }
+}

@@ -1,0 +1,279 @@
+//! AVX-512 kernels: 512-bit vectors, 16 lanes, tiles of 16 tokens.
+//!
+//! Needs AVX-512F, BW and VL (plus AVX2, FMA and F16C, which every AVX-512
+//! CPU has). Everything in this file may use those instructions and no
+//! others.
+
+use super::tile::{self, DenseElem};
+use super::Simd;
+use crate::store::PackedHead;
+use core::arch::x86_64::*;
+
+/// Proof that the CPU runs this file's instructions (see [`Avx512::new`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Avx512(());
+
+impl Avx512 {
+    /// `Some` only when the CPU has AVX-512F/BW/VL, AVX2, FMA and F16C.
+    #[inline]
+    pub(crate) fn new() -> Option<Avx512> {
+        let ok = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        ok.then_some(Avx512(()))
+    }
+
+    /// Packed scores (see [`crate::kernels::scores`]).
+    ///
+    /// # Panics
+    /// If the lengths do not fit the head (the public wrappers have
+    /// already returned an error for those).
+    pub(crate) fn scores(self, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+        super::check_head(head, q.len(), out.len());
+        // SAFETY: `self` proves the features `scores_entry` enables;
+        // `check_head` asserted the lengths its raw loops rely on.
+        unsafe { scores_entry(self, head, q, out) }
+    }
+
+    /// Packed weighted sum (see [`crate::kernels::weighted_sum`]).
+    ///
+    /// # Panics
+    /// As [`scores`](Self::scores).
+    pub(crate) fn weighted_sum(self, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+        super::check_head(head, out.len(), p.len());
+        // SAFETY: as in `scores`.
+        unsafe { weighted_sum_entry(self, head, p, out) }
+    }
+
+    /// Dense scores over `[tokens, hd]` keys.
+    pub(crate) fn dense_scores<E: DenseElem>(self, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
+        // SAFETY: `self` proves the features; the kernel asserts lengths.
+        unsafe { dense_scores_entry(self, hd, k, q, out) }
+    }
+
+    /// Dense weighted sum over `[tokens, hd]` values.
+    pub(crate) fn dense_weighted_sum<E: DenseElem>(self, hd: usize, v: &[E], p: &[f32], out: &mut [f32]) {
+        // SAFETY: `self` proves the features; the kernel asserts lengths.
+        unsafe { dense_weighted_sum_entry(self, hd, v, p, out) }
+    }
+}
+
+/// # Safety
+/// The CPU has the enabled features; `check_head(head, q.len(), out.len())` passed.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn scores_entry(s: Avx512, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { by_shape!(scores_b, head, s, head, q, out) }
+}
+
+/// # Safety
+/// As [`scores_entry`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn scores_b<const B: u8, const HD: usize>(s: Avx512, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { tile::scores::<Avx512, B, HD>(s, head, q, out) }
+}
+
+/// # Safety
+/// The CPU has the enabled features; `check_head(head, out.len(), p.len())` passed.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn weighted_sum_entry(s: Avx512, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { by_shape!(weighted_sum_b, head, s, head, p, out) }
+}
+
+/// # Safety
+/// As [`weighted_sum_entry`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn weighted_sum_b<const B: u8, const HD: usize>(s: Avx512, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { tile::weighted_sum::<Avx512, B, HD>(s, head, p, out) }
+}
+
+/// # Safety
+/// The CPU has the enabled features.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn dense_scores_entry<E: DenseElem>(s: Avx512, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
+    tile::dense_scores(s, hd, k, q, out)
+}
+
+/// # Safety
+/// The CPU has the enabled features.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn dense_weighted_sum_entry<E: DenseElem>(s: Avx512, hd: usize, v: &[E], p: &[f32], out: &mut [f32]) {
+    tile::dense_weighted_sum(s, hd, v, p, out)
+}
+
+// SAFETY: an `Avx512` exists only when `Avx512::new` found every feature
+// the methods below use (AVX-512F/BW/VL, AVX2, FMA, F16C).
+unsafe impl Simd for Avx512 {
+    const REGS: usize = 32;
+    const L: usize = 16;
+    type F = __m512;
+    type I = __m512i;
+
+    #[inline(always)]
+    fn zero(self) -> __m512 {
+        // SAFETY: `self` proves AVX-512F (this and every block below).
+        unsafe { _mm512_setzero_ps() }
+    }
+    #[inline(always)]
+    fn splat(self, x: f32) -> __m512 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    fn add(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn fma(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn cvt(self, v: __m512i) -> __m512 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_cvtepi32_ps(v) }
+    }
+    #[inline(always)]
+    fn shr_mask(self, v: __m512i, sh: i32, mask: u32) -> __m512i {
+        // SAFETY: AVX-512F. `sh` is a constant after unrolling, so these
+        // become immediate shifts.
+        unsafe {
+            let v = if sh >= 0 {
+                _mm512_srlv_epi32(v, _mm512_set1_epi32(sh))
+            } else {
+                _mm512_sllv_epi32(v, _mm512_set1_epi32(-sh))
+            };
+            _mm512_and_si512(v, _mm512_set1_epi32(mask as i32))
+        }
+    }
+    #[inline(always)]
+    fn shr_pair_mask(self, v: __m512i, a: u32, b: u32, mask: u32, sh: u32) -> __m512i {
+        // SAFETY: AVX-512F.
+        unsafe {
+            let counts = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a as i32), _mm512_set1_epi32(b as i32));
+            let v = _mm512_and_si512(_mm512_srlv_epi32(v, counts), _mm512_set1_epi32(mask as i32));
+            _mm512_sllv_epi32(v, _mm512_set1_epi32(sh as i32))
+        }
+    }
+    #[inline(always)]
+    fn or(self, a: __m512i, b: __m512i) -> __m512i {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_or_si512(a, b) }
+    }
+    #[inline(always)]
+    fn reduce(self, a: &[__m512; 16]) -> __m512 {
+        // Transpose-and-add in four levels (128-bit halves, 128-bit
+        // quarters, pairs, lanes). The last level leaves the sum of slot
+        // `k + 4r` in lane `4k + r`, so slot `s` is fed token
+        // `4·(s mod 4) + s div 4` and lane `t` comes out as token `t`.
+        // SAFETY: AVX-512F.
+        unsafe {
+            let x = |s: usize| a[4 * (s % 4) + s / 4];
+            let mut c = [_mm512_setzero_ps(); 8];
+            for (i, c) in c.iter_mut().enumerate() {
+                let (p, q) = (x(2 * i), x(2 * i + 1));
+                *c = _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b01_00_01_00>(p, q),
+                    _mm512_shuffle_f32x4::<0b11_10_11_10>(p, q),
+                );
+            }
+            let mut d = [_mm512_setzero_ps(); 4];
+            for (i, d) in d.iter_mut().enumerate() {
+                let (p, q) = (c[2 * i], c[2 * i + 1]);
+                *d = _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b10_00_10_00>(p, q),
+                    _mm512_shuffle_f32x4::<0b11_01_11_01>(p, q),
+                );
+            }
+            let e0 = _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(d[0], d[1]),
+                _mm512_shuffle_ps::<0b11_10_11_10>(d[0], d[1]),
+            );
+            let e1 = _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(d[2], d[3]),
+                _mm512_shuffle_ps::<0b11_10_11_10>(d[2], d[3]),
+            );
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b10_00_10_00>(e0, e1),
+                _mm512_shuffle_ps::<0b11_01_11_01>(e0, e1),
+            )
+        }
+    }
+    #[inline(always)]
+    fn hsum(self, a: __m512) -> f32 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_reduce_add_ps(a) }
+    }
+
+    #[inline(always)]
+    unsafe fn load(self, p: *const f32) -> __m512 {
+        // SAFETY: the caller's contract (16 floats); AVX-512F.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, v: __m512) {
+        // SAFETY: the caller's contract (16 floats); AVX-512F.
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn load_i(self, p: *const f32) -> __m512i {
+        // SAFETY: the caller's contract (16 floats); AVX-512F.
+        unsafe { _mm512_castps_si512(_mm512_loadu_ps(p)) }
+    }
+    #[inline(always)]
+    unsafe fn store_i(self, p: *mut f32, v: __m512i) {
+        // SAFETY: the caller's contract (16 floats); AVX-512F.
+        unsafe { _mm512_storeu_ps(p, _mm512_castsi512_ps(v)) }
+    }
+    #[inline(always)]
+    unsafe fn bcast(self, p: *const f32) -> __m512 {
+        // SAFETY: the caller's contract (one float); AVX-512F.
+        unsafe { _mm512_set1_ps(*p) }
+    }
+    #[inline(always)]
+    unsafe fn load_u8(self, p: *const u8) -> __m512i {
+        // SAFETY: the caller's contract (16 bytes, unaligned load); AVX-512F.
+        unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn load_u8_dup(self, p: *const u8) -> __m512i {
+        // SAFETY: the caller's contract (8 bytes; `_mm_loadl_epi64` reads
+        // exactly 8, unaligned); AVX-512F.
+        unsafe {
+            let x = _mm_loadl_epi64(p as *const __m128i);
+            _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(x, x))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(self, p: *const u8) -> __m512 {
+        // SAFETY: the caller's contract (32 bytes, unaligned); AVX-512F.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(self, p: *const u8) -> __m512 {
+        // SAFETY: the caller's contract (32 bytes, unaligned); AVX-512F.
+        // A bfloat16 is the high half of the f32 with the same bits.
+        unsafe {
+            let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_f32_bytes(self, p: *const u8) -> __m512 {
+        // SAFETY: the caller's contract (64 bytes); `loadu` has no
+        // alignment requirement; AVX-512F.
+        unsafe { _mm512_loadu_ps(p as *const f32) }
+    }
+}

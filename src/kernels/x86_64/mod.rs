@@ -1,0 +1,184 @@
+//! x86-64 kernels: AVX2+FMA+F16C ([`avx2`]) and AVX-512F/BW/VL
+//! ([`avx512`]), both written once, generically, in [`tile`] over the small
+//! [`Simd`] vocabulary that each of the two files implements.
+//!
+//! # How a kernel runs
+//!
+//! Tokens are processed in *tiles* of `Simd::T` tokens (8 with AVX2, 16
+//! with AVX-512; one tile's scores fill exactly one vector):
+//!
+//! 1. **Unpack** the tile's code rows into a small, 64-byte-aligned f32
+//!    scratch in L1 (`T × head_dim` floats). The plane layout of
+//!    [`pack`](crate::pack) makes this one zero-extending load, one shift and
+//!    one mask per 16 (8) codes: field `f` of `m` consecutive bytes is `m`
+//!    consecutive elements. Per-token schemes are dequantized here
+//!    (`x = fma(code, scale, zero)`, one rounding), so every query that
+//!    shares the KV head reuses the same floats.
+//! 2. **Math** over the scratch, chunk-outer and token-inner: scores keep
+//!    one accumulator per token of the tile and reduce all `T` of them at
+//!    once with a transpose-and-add (about 3 shuffles per token instead of a
+//!    full horizontal sum each); weighted sums keep one broadcast weight per
+//!    token in registers and four partial sums per chunk.
+//!
+//! All arithmetic is `f32` with FMA; no query is rounded to a narrower type.
+//!
+//! # Safety architecture
+//!
+//! The only way to get an [`Avx2`] or [`Avx512`] value is `new()`, which
+//! returns `None` unless `is_x86_feature_detected!` confirms every feature
+//! the file's instructions use; the values are tokens, and holding one is
+//! the proof that calling the `#[target_feature]` functions is sound. The
+//! safe methods on the tokens `assert!` every length the raw-pointer loops
+//! rely on before entering them.
+
+/// Call `$f::<BITS, HD>($args)` for the head's width and dimension: the
+/// widths that matter most (2, 3, 4, 8) at the common head dimensions (64,
+/// 128, 256) get a compile-time `HD` (fully unrolled rows); everything
+/// else runs with `HD = 0` (the dimension read at run time).
+macro_rules! by_shape {
+    ($f:ident, $head:expr, $($arg:expr),*) => {{
+        let l = $head.layout();
+        match (l.scheme().bits(), l.head_dim()) {
+            (2, 64) => $f::<2, 64>($($arg),*),
+            (2, 128) => $f::<2, 128>($($arg),*),
+            (2, 256) => $f::<2, 256>($($arg),*),
+            (3, 64) => $f::<3, 64>($($arg),*),
+            (3, 128) => $f::<3, 128>($($arg),*),
+            (3, 256) => $f::<3, 256>($($arg),*),
+            (4, 64) => $f::<4, 64>($($arg),*),
+            (4, 128) => $f::<4, 128>($($arg),*),
+            (4, 256) => $f::<4, 256>($($arg),*),
+            (8, 64) => $f::<8, 64>($($arg),*),
+            (8, 128) => $f::<8, 128>($($arg),*),
+            (8, 256) => $f::<8, 256>($($arg),*),
+            (1, _) => $f::<1, 0>($($arg),*),
+            (2, _) => $f::<2, 0>($($arg),*),
+            (3, _) => $f::<3, 0>($($arg),*),
+            (4, _) => $f::<4, 0>($($arg),*),
+            (5, _) => $f::<5, 0>($($arg),*),
+            (6, _) => $f::<6, 0>($($arg),*),
+            (7, _) => $f::<7, 0>($($arg),*),
+            _ => $f::<8, 0>($($arg),*),
+        }
+    }};
+}
+
+mod avx2;
+mod avx512;
+mod tile;
+
+pub(crate) use avx2::Avx2;
+pub(crate) use avx512::Avx512;
+pub(crate) use tile::DenseElem;
+
+use crate::scheme::Axis;
+use crate::store::PackedHead;
+
+/// The vector vocabulary the generic kernels in [`tile`] are written in.
+///
+/// Arithmetic takes `self` (the token) and is safe; memory access takes raw
+/// pointers and is `unsafe`, with the contract that the pointer is valid
+/// for the bytes named in the method's doc.
+///
+/// # Safety
+/// An implementor is a token: a value of it may exist only on a CPU that
+/// supports every instruction its methods use.
+pub(crate) unsafe trait Simd: Copy {
+    /// `f32` lanes per vector (8 or 16).
+    const L: usize;
+    /// Tokens per tile; equals `L` so one tile's scores fill one vector.
+    const T: usize = Self::L;
+    /// Vector registers the ISA has (16 with AVX2, 32 with AVX-512).
+    const REGS: usize;
+    /// A vector of `L` floats.
+    type F: Copy;
+    /// A vector of `L` 32-bit integers.
+    type I: Copy;
+
+    /// All lanes zero.
+    fn zero(self) -> Self::F;
+    /// `x` in every lane.
+    fn splat(self, x: f32) -> Self::F;
+    /// `a + b`.
+    fn add(self, a: Self::F, b: Self::F) -> Self::F;
+    /// `a · b`.
+    fn mul(self, a: Self::F, b: Self::F) -> Self::F;
+    /// `a · b + c`, one rounding.
+    fn fma(self, a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    /// Integers to floats (exact for codes).
+    fn cvt(self, v: Self::I) -> Self::F;
+    /// `(v >> s) & mask` for `s ≥ 0`, `(v << -s) & mask` for `s < 0`.
+    fn shr_mask(self, v: Self::I, s: i32, mask: u32) -> Self::I;
+    /// `((v >> a) & mask) << sh` in the low half of the lanes and
+    /// `((v >> b) & mask) << sh` in the high half.
+    fn shr_pair_mask(self, v: Self::I, a: u32, b: u32, mask: u32, sh: u32) -> Self::I;
+    /// Bitwise or.
+    fn or(self, a: Self::I, b: Self::I) -> Self::I;
+    /// Lane `t` (for `t < T`) of the result is the sum of all lanes of
+    /// `acc[t]`; `acc[T..]` are ignored.
+    fn reduce(self, acc: &[Self::F; 16]) -> Self::F;
+    /// The sum of all lanes.
+    fn hsum(self, a: Self::F) -> f32;
+
+    /// Load `L` floats.
+    /// # Safety
+    /// `p` valid for reading `L` floats.
+    unsafe fn load(self, p: *const f32) -> Self::F;
+    /// Store `L` floats.
+    /// # Safety
+    /// `p` valid for writing `L` floats.
+    unsafe fn store(self, p: *mut f32, v: Self::F);
+    /// Load `L` 32-bit integers (stored in a float scratch).
+    /// # Safety
+    /// `p` valid for reading `L` floats.
+    unsafe fn load_i(self, p: *const f32) -> Self::I;
+    /// Store `L` 32-bit integers into a float scratch.
+    /// # Safety
+    /// `p` valid for writing `L` floats.
+    unsafe fn store_i(self, p: *mut f32, v: Self::I);
+    /// `*p` in every lane.
+    /// # Safety
+    /// `p` valid for reading one float.
+    unsafe fn bcast(self, p: *const f32) -> Self::F;
+    /// `L` bytes, zero-extended to 32-bit lanes.
+    /// # Safety
+    /// `p` valid for reading `L` bytes.
+    unsafe fn load_u8(self, p: *const u8) -> Self::I;
+    /// `L/2` bytes, zero-extended, in both halves of the lanes.
+    /// # Safety
+    /// `p` valid for reading `L/2` bytes.
+    unsafe fn load_u8_dup(self, p: *const u8) -> Self::I;
+    /// `L` little-endian IEEE halves, widened.
+    /// # Safety
+    /// `p` valid for reading `2·L` bytes (any alignment).
+    unsafe fn load_f16(self, p: *const u8) -> Self::F;
+    /// `L` little-endian bfloat16s, widened.
+    /// # Safety
+    /// `p` valid for reading `2·L` bytes (any alignment).
+    unsafe fn load_bf16(self, p: *const u8) -> Self::F;
+    /// `L` little-endian f32s at any alignment.
+    /// # Safety
+    /// `p` valid for reading `4·L` bytes.
+    unsafe fn load_f32_bytes(self, p: *const u8) -> Self::F;
+}
+
+/// Assert every length the packed kernels' raw loops rely on: `q_len`
+/// (scores) or `out_len` (weighted sum) is `n_q · head_dim`, `other` is
+/// `n_q · tokens`, and the head's buffers hold its tokens. Returns `n_q`.
+#[track_caller]
+pub(super) fn check_head(head: &PackedHead<'_>, per_query_hd: usize, per_query_t: usize) -> usize {
+    let l = head.layout();
+    let hd = l.head_dim();
+    let t = head.tokens();
+    assert!(hd > 0 && per_query_hd > 0 && per_query_hd % hd == 0, "kernels: queries must be a positive multiple of head_dim");
+    let nq = per_query_hd / hd;
+    assert_eq!(per_query_t, nq * t, "kernels: per-token buffer must be n_q·tokens");
+    assert!(head.codes().len() >= l.head_code_bytes(t), "kernels: code rows shorter than the layout");
+    let set = head.set_len() * l.scheme().param_bytes();
+    let sets = match l.scheme().axis() {
+        Axis::PerToken => t,
+        Axis::PerChannel => t.div_ceil(l.group_len()),
+    };
+    assert!(head.params().len() >= sets * set, "kernels: params shorter than the layout");
+    nq
+}

@@ -1,0 +1,1195 @@
+//! The kernels, written once over [`Simd`] and compiled twice (inside the
+//! `#[target_feature]` entry points of `avx2.rs` and `avx512.rs`, into
+//! which everything here is `#[inline(always)]`).
+//!
+//! See the [module docs](super) for the tile scheme. Raw pointers are only
+//! used inside a tile, after the safe wrappers asserted the head's lengths
+//! ([`super::check_head`]) and the tile's extent was checked against them.
+
+use super::Simd;
+use crate::pack;
+use crate::scheme::{Axis, Mode, ScaleFormat};
+use crate::store::PackedHead;
+use half::f16;
+
+/// A zeroed `f32` buffer whose start is 64-byte aligned (whole cache lines,
+/// so a 512-bit load never splits one).
+pub(super) struct Buf {
+    v: Vec<f32>,
+    off: usize,
+    len: usize,
+}
+
+impl Buf {
+    pub(super) fn new(len: usize) -> Buf {
+        let v = vec![0f32; len + 16];
+        // An f32 pointer is at most 15 elements from a 64-byte boundary.
+        let off = v.as_ptr().align_offset(64).min(16);
+        Buf { v, off, len }
+    }
+    #[inline(always)]
+    pub(super) fn s(&self) -> &[f32] {
+        &self.v[self.off..self.off + self.len]
+    }
+    #[inline(always)]
+    pub(super) fn m(&mut self) -> &mut [f32] {
+        &mut self.v[self.off..self.off + self.len]
+    }
+}
+
+/// The shape of one code row as the tile loops see it. Made by
+/// [`Geo::new`] with `HD` either the head dimension (a compile-time
+/// constant: every loop below unrolls and every branch on the shape folds)
+/// or 0 (the run-time fallback for other head dimensions).
+#[derive(Clone, Copy)]
+struct Geo {
+    /// `head_dim`.
+    hd: usize,
+    /// `head_dim` rounded up to whole vectors.
+    hdp: usize,
+    /// Vectors per row, `hdp / L`.
+    nch: usize,
+    /// Bytes per packed row.
+    rb: usize,
+    /// Every plane of the row splits into whole vectors (or, with 16
+    /// lanes, exact half vectors): the shift-and-mask unpack applies.
+    fast: bool,
+}
+
+impl Geo {
+    #[inline(always)]
+    fn new<S: Simd, const B: u8, const HD: usize>(hd_rt: usize) -> Geo {
+        let hd = if HD > 0 { HD } else { hd_rt };
+        let hdp = hd.div_ceil(S::L) * S::L;
+        // A plane of width p is m = hd·p/8 bytes (see `pack`).
+        let ok = |p: usize| {
+            let m = hd * p / 8;
+            m % S::L == 0 || (2 * m == S::L && p < 8)
+        };
+        let b = B as usize;
+        let fast = if b == 8 {
+            ok(8)
+        } else {
+            (b & 4 == 0 || ok(4)) && (b & 2 == 0 || ok(2)) && (b & 1 == 0 || ok(1))
+        };
+        Geo {
+            hd,
+            hdp,
+            nch: hdp / S::L,
+            rb: hd * b / 8,
+            fast,
+        }
+    }
+}
+
+/// What the unpack does to a vector of codes before it is stored.
+trait Deq<S: Simd>: Copy {
+    /// Dequantize (or not) vector `j` of tile row `tt`.
+    ///
+    /// # Safety
+    /// `tt < T` and `j < nch` of the tile the value was built for.
+    unsafe fn apply(self, s: S, tt: usize, j: usize, x: S::F) -> S::F;
+}
+
+/// Codes as floats, no dequantization.
+#[derive(Clone, Copy)]
+struct Raw;
+
+impl<S: Simd> Deq<S> for Raw {
+    #[inline(always)]
+    unsafe fn apply(self, _: S, _: usize, _: usize, x: S::F) -> S::F {
+        x
+    }
+}
+
+/// Most vectors a row may have for the per-token fast path.
+const MAX_NCH: usize = 32;
+/// Floats of padding after a tile's params, so whole-vector reads of a
+/// token's groups never leave the buffer.
+const PAD: usize = 64;
+
+/// Per-token groups of whole vectors: `x = code·scale_tg + zero_tg`, the
+/// scale of token `tt`, group `g` at `sc[tt·stride + g]`, its zero at
+/// `ze[tt·stride + g]`, and vector `j` in group `goff[j]`.
+#[derive(Clone, Copy)]
+struct PerToken {
+    sc: *const f32,
+    ze: *const f32,
+    stride: usize,
+    goff: [u32; MAX_NCH],
+}
+
+impl<S: Simd> Deq<S> for PerToken {
+    #[inline(always)]
+    unsafe fn apply(self, s: S, tt: usize, j: usize, x: S::F) -> S::F {
+        // SAFETY: `sc`/`ze` hold `T` tokens of `stride` numbers whose
+        // groups `goff[j] < gpr` are in bounds (built by `TileParams`).
+        unsafe {
+            let o = tt * self.stride + self.goff[j] as usize;
+            s.fma(x, s.bcast(self.sc.add(o)), s.bcast(self.ze.add(o)))
+        }
+    }
+}
+
+/// Per-channel scales and zeros from `hdp`-float rows: `x_c = code_c·sc_c
+/// + ze_c`, the rows advancing by `stride` per tile row (0 for the
+/// per-channel params of a block, `hdp` for per-token params expanded to
+/// channels when groups do not line up with vectors).
+#[derive(Clone, Copy)]
+struct Rows {
+    sc: *const f32,
+    ze: *const f32,
+    stride: usize,
+}
+
+impl<S: Simd> Deq<S> for Rows {
+    #[inline(always)]
+    unsafe fn apply(self, s: S, tt: usize, j: usize, x: S::F) -> S::F {
+        // SAFETY: both buffers hold row `tt` of `hdp = nch·L` floats.
+        unsafe {
+            let o = tt * self.stride + j * S::L;
+            s.fma(x, s.load(self.sc.add(o)), s.load(self.ze.add(o)))
+        }
+    }
+}
+
+/// Unpack `n ≤ T` code rows starting at `rows` into the scratch, which is
+/// vector-major: vector `j` of token `tt` at `(j·T + tt)·L`, so the `T`
+/// tokens of a vector are contiguous. Rows `n..T` are zeroed.
+///
+/// # Safety
+/// `rows` valid for `n·rb` bytes; `scr` for `T·hdp` floats; `u8buf` for
+/// `hdp` bytes whose bytes `hd..hdp` are zero; `d` built for this tile.
+#[inline(always)]
+unsafe fn unpack_tile<S: Simd, const B: u8, D: Deq<S>>(
+    s: S,
+    g: Geo,
+    rows: *const u8,
+    n: usize,
+    scr: *mut f32,
+    u8buf: *mut u8,
+    d: D,
+) {
+    for tt in 0..n {
+        // SAFETY: row `tt < n` and scratch row `tt < T` are in bounds.
+        unsafe {
+            let row = rows.add(tt * g.rb);
+            let dst = scr.add(tt * S::L);
+            if g.fast {
+                unpack_row::<S, B, D>(s, row, g.hd, dst, tt, d);
+            } else {
+                unpack_row_scalar::<S, B, D>(s, g, row, u8buf, dst, tt, d);
+            }
+        }
+    }
+    for tt in n..S::T {
+        for j in 0..g.nch {
+            // SAFETY: scratch row `tt < T`, vector `j < nch`.
+            unsafe { s.store(scr.add((j * S::T + tt) * S::L), s.zero()) };
+        }
+    }
+}
+
+/// One row by shift and mask, plane by plane (see [`pack`]): the first
+/// plane stores integer codes, later ones OR their bits in, the last one
+/// converts, dequantizes and stores floats.
+///
+/// # Safety
+/// `row` valid for the row's bytes, `dst` for the row's vectors; `Geo::fast`.
+#[inline(always)]
+unsafe fn unpack_row<S: Simd, const B: u8, D: Deq<S>>(s: S, row: *const u8, hd: usize, dst: *mut f32, tt: usize, d: D) {
+    let (h2, h4, h8) = (hd / 2, hd / 4, hd / 8);
+    // SAFETY: the planes of a `B`-bit row are `m = hd·p/8` bytes each,
+    // widest first, and together exactly `rb` bytes (see `pack`).
+    unsafe {
+        match B {
+            1 => plane::<S, D, 1, 0, true, true>(s, row, h8, dst, tt, d),
+            2 => plane::<S, D, 2, 0, true, true>(s, row, h4, dst, tt, d),
+            3 => {
+                plane::<S, D, 2, 0, true, false>(s, row, h4, dst, tt, d);
+                plane::<S, D, 1, 2, false, true>(s, row.add(h4), h8, dst, tt, d);
+            }
+            4 => plane::<S, D, 4, 0, true, true>(s, row, h2, dst, tt, d),
+            5 => {
+                plane::<S, D, 4, 0, true, false>(s, row, h2, dst, tt, d);
+                plane::<S, D, 1, 4, false, true>(s, row.add(h2), h8, dst, tt, d);
+            }
+            6 => {
+                plane::<S, D, 4, 0, true, false>(s, row, h2, dst, tt, d);
+                plane::<S, D, 2, 4, false, true>(s, row.add(h2), h4, dst, tt, d);
+            }
+            7 => {
+                plane::<S, D, 4, 0, true, false>(s, row, h2, dst, tt, d);
+                plane::<S, D, 2, 4, false, false>(s, row.add(h2), h4, dst, tt, d);
+                plane::<S, D, 1, 6, false, true>(s, row.add(h2 + h4), h8, dst, tt, d);
+            }
+            _ => plane::<S, D, 8, 0, true, true>(s, row, hd, dst, tt, d),
+        }
+    }
+}
+
+/// One plane of width `P` holding code bits `SH..SH+P`, `m` bytes at
+/// `src`. Field `f` of byte `b` is element `f·m + b`, so one load of `L`
+/// bytes and one shift and mask per field give `L` consecutive elements.
+///
+/// # Safety
+/// `src` valid for `m` bytes, `dst` for the row's vectors; `m % L == 0`,
+/// or `2m == L` with at least two fields.
+#[inline(always)]
+unsafe fn plane<S: Simd, D: Deq<S>, const P: u32, const SH: u32, const FIRST: bool, const LAST: bool>(
+    s: S,
+    src: *const u8,
+    m: usize,
+    dst: *mut f32,
+    tt: usize,
+    d: D,
+) {
+    let k = (8 / P) as usize;
+    let fmask = (1u32 << P) - 1;
+    if m % S::L == 0 {
+        let per = m / S::L;
+        for b in 0..per {
+            // SAFETY: bytes `b·L .. b·L + L ≤ m`.
+            let v = unsafe { s.load_u8(src.add(b * S::L)) };
+            for f in 0..k {
+                let c = s.shr_mask(v, (P * f as u32) as i32 - SH as i32, fmask << SH);
+                // SAFETY: vector `f·per + b < k·per = hd/L`.
+                unsafe { emit::<S, D, FIRST, LAST>(s, dst, f * per + b, tt, c, d) };
+            }
+        }
+    } else {
+        // `m` is half a vector: vector `j` holds fields `2j` and `2j+1`.
+        // SAFETY: `L/2 = m` bytes.
+        let v = unsafe { s.load_u8_dup(src) };
+        for f in (0..k).step_by(2) {
+            let c = s.shr_pair_mask(v, P * f as u32, P * (f as u32 + 1), fmask, SH);
+            // SAFETY: vector `f/2 < k/2 = hd/L`.
+            unsafe { emit::<S, D, FIRST, LAST>(s, dst, f / 2, tt, c, d) };
+        }
+    }
+}
+
+/// # Safety
+/// `dst` is the scratch at token `tt`; vector `j` in the tile.
+#[inline(always)]
+unsafe fn emit<S: Simd, D: Deq<S>, const FIRST: bool, const LAST: bool>(
+    s: S,
+    dst: *mut f32,
+    j: usize,
+    tt: usize,
+    c: S::I,
+    d: D,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let p = dst.add(j * S::T * S::L);
+        let c = if FIRST { c } else { s.or(c, s.load_i(p)) };
+        if LAST {
+            s.store(p, d.apply(s, tt, j, s.cvt(c)));
+        } else {
+            s.store_i(p, c);
+        }
+    }
+}
+
+/// Rows whose planes do not split into vectors (e.g. `head_dim` 72 at 4
+/// bits): unpack with [`pack::unpack`], then convert vector by vector.
+///
+/// # Safety
+/// As [`unpack_tile`], for one row.
+#[inline(always)]
+unsafe fn unpack_row_scalar<S: Simd, const B: u8, D: Deq<S>>(
+    s: S,
+    g: Geo,
+    row: *const u8,
+    u8buf: *mut u8,
+    dst: *mut f32,
+    tt: usize,
+    d: D,
+) {
+    // SAFETY: `row` has `rb` bytes and `u8buf` `hdp ≥ hd` bytes; neither
+    // aliases anything else borrowed here.
+    unsafe {
+        let src = std::slice::from_raw_parts(row, g.rb);
+        let codes = std::slice::from_raw_parts_mut(u8buf, g.hd);
+        pack::unpack(src, B, codes);
+        for j in 0..g.nch {
+            let x = s.cvt(s.load_u8(u8buf.add(j * S::L)));
+            s.store(dst.add(j * S::T * S::L), d.apply(s, tt, j, x));
+        }
+    }
+}
+
+/// The codes of vector `j` of a row (elements `j·L .. j·L + L`) as
+/// integers, straight from the packed planes. With a compile-time `HD` and
+/// an unrolled `j` every offset and shift is a constant, and the loads
+/// shared by several vectors are merged.
+///
+/// # Safety
+/// `row` valid for the row's bytes; `Geo::fast` holds; `j < hd/L`.
+#[inline(always)]
+unsafe fn codes_vec<S: Simd, const B: u8>(s: S, row: *const u8, hd: usize, j: usize) -> S::I {
+    let (h2, h4, h8) = (hd / 2, hd / 4, hd / 8);
+    // SAFETY: the planes of a `B`-bit row are `m = hd·p/8` bytes each,
+    // widest first, and together exactly `rb` bytes (see `pack`).
+    unsafe {
+        match B {
+            1 => pv::<S, 1, 0>(s, row, h8, j),
+            2 => pv::<S, 2, 0>(s, row, h4, j),
+            3 => s.or(pv::<S, 2, 0>(s, row, h4, j), pv::<S, 1, 2>(s, row.add(h4), h8, j)),
+            4 => pv::<S, 4, 0>(s, row, h2, j),
+            5 => s.or(pv::<S, 4, 0>(s, row, h2, j), pv::<S, 1, 4>(s, row.add(h2), h8, j)),
+            6 => s.or(pv::<S, 4, 0>(s, row, h2, j), pv::<S, 2, 4>(s, row.add(h2), h4, j)),
+            7 => s.or(
+                s.or(pv::<S, 4, 0>(s, row, h2, j), pv::<S, 2, 4>(s, row.add(h2), h4, j)),
+                pv::<S, 1, 6>(s, row.add(h2 + h4), h8, j),
+            ),
+            _ => pv::<S, 8, 0>(s, row, hd, j),
+        }
+    }
+}
+
+/// Bits `SH..SH+P` of the codes of vector `j`, from a plane of width `P`
+/// and `m` bytes at `src` (see [`plane`]).
+///
+/// # Safety
+/// `src` valid for `m` bytes; `m % L == 0` or `2m == L`; `j·L < 8m/P`.
+#[inline(always)]
+unsafe fn pv<S: Simd, const P: u32, const SH: u32>(s: S, src: *const u8, m: usize, j: usize) -> S::I {
+    let e = j * S::L;
+    let fmask = (1u32 << P) - 1;
+    let f = e / m;
+    if m % S::L == 0 {
+        // SAFETY: bytes `e mod m .. + L ≤ m`.
+        let v = unsafe { s.load_u8(src.add(e % m)) };
+        s.shr_mask(v, (P * f as u32) as i32 - SH as i32, fmask << SH)
+    } else {
+        // SAFETY: `L/2 = m` bytes.
+        let v = unsafe { s.load_u8_dup(src) };
+        s.shr_pair_mask(v, P * f as u32, P * (f as u32 + 1), fmask, SH)
+    }
+}
+
+/// Fused scores of up to `T` tokens: each row is unpacked (and
+/// dequantized by `d`) into registers and multiplied into every query at
+/// once; token `tt`'s partial sums for query `i` go to `accbuf[(i·T + tt)·L]`
+/// for [`reduce_queries`]. Rows `n..T` get zeros.
+///
+/// # Safety
+/// `rows` valid for `n` rows; `q` for `nq·hdp` floats; `accbuf` for
+/// `nq·T·L`; `Geo::fast` holds and `nch ≤ 32`; `d` built for this tile.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>>(
+    s: S,
+    g: Geo,
+    rows: *const u8,
+    n: usize,
+    d: D,
+    q: *const f32,
+    nq: usize,
+    accbuf: *mut f32,
+) {
+    for tt in 0..n {
+        // SAFETY: the caller's contract; vectors `j < nch`, queries `i < nq`.
+        unsafe {
+            let row = rows.add(tt * g.rb);
+            if nq == 1 {
+                let mut a = [s.zero(); 2];
+                for j in 0..g.nch {
+                    let x = d.apply(s, tt, j, s.cvt(codes_vec::<S, B>(s, row, g.hd, j)));
+                    a[j % 2] = s.fma(x, s.load(q.add(j * S::L)), a[j % 2]);
+                }
+                s.store(accbuf.add(tt * S::L), s.add(a[0], a[1]));
+            } else {
+                let mut xs = [s.zero(); MAX_NCH];
+                for (j, x) in xs.iter_mut().enumerate().take(g.nch) {
+                    *x = d.apply(s, tt, j, s.cvt(codes_vec::<S, B>(s, row, g.hd, j)));
+                }
+                for i in 0..nq {
+                    let qi = q.add(i * g.hdp);
+                    let mut a = [s.zero(); 2];
+                    for (j, x) in xs.iter().enumerate().take(g.nch) {
+                        a[j % 2] = s.fma(*x, s.load(qi.add(j * S::L)), a[j % 2]);
+                    }
+                    s.store(accbuf.add((i * S::T + tt) * S::L), s.add(a[0], a[1]));
+                }
+            }
+        }
+    }
+    for i in 0..nq {
+        for tt in n..S::T {
+            // SAFETY: `i < nq`, `tt < T`.
+            unsafe { s.store(accbuf.add((i * S::T + tt) * S::L), s.zero()) };
+        }
+    }
+}
+
+/// Reduce query `i`'s `T` partial sums in `accbuf` to one score per token.
+///
+/// # Safety
+/// `accbuf` valid for `(i+1)·T·L` floats.
+#[inline(always)]
+unsafe fn reduce_query<S: Simd>(s: S, accbuf: *const f32, i: usize) -> S::F {
+    let mut acc = [s.zero(); 16];
+    for (tt, a) in acc.iter_mut().enumerate().take(S::T) {
+        // SAFETY: the caller's contract.
+        *a = unsafe { s.load(accbuf.add((i * S::T + tt) * S::L)) };
+    }
+    s.reduce(&acc)
+}
+
+/// Scores of the tile against one (padded) query: lane `t` of the result
+/// is `q · scratch[t]`.
+///
+/// # Safety
+/// `scr` valid for `T·hdp` floats, `q` for `hdp`.
+#[inline(always)]
+unsafe fn dot_tile<S: Simd>(s: S, scr: *const f32, nch: usize, q: *const f32) -> S::F {
+    let mut acc = [s.zero(); 16];
+    for j in 0..nch {
+        // SAFETY: vector `j < nch` of the query and of rows `tt < T`.
+        unsafe {
+            let qj = s.load(q.add(j * S::L));
+            let c = scr.add(j * S::T * S::L);
+            for (tt, a) in acc.iter_mut().enumerate().take(S::T) {
+                *a = s.fma(s.load(c.add(tt * S::L)), qj, *a);
+            }
+        }
+    }
+    s.reduce(&acc)
+}
+
+/// `acc[j] += Σ_t w_t·scratch[j][t]` for vectors `j0..j1`, with the `T`
+/// weights already broadcast.
+///
+/// # Safety
+/// `scr` valid for `T·hdp` floats, `acc` for `hdp`; `j1 ≤ nch`.
+#[inline(always)]
+unsafe fn sum_vectors<S: Simd>(s: S, scr: *const f32, j0: usize, j1: usize, w: &[S::F; 16], acc: *mut f32) {
+    for j in j0..j1 {
+        // SAFETY: vector `j < nch` of `acc` and of rows `tt < T`.
+        unsafe {
+            let mut a = [s.zero(); 4];
+            let c = scr.add(j * S::T * S::L);
+            for (tt, w) in w.iter().enumerate().take(S::T) {
+                a[tt % 4] = s.fma(s.load(c.add(tt * S::L)), *w, a[tt % 4]);
+            }
+            let r = s.add(s.add(a[0], a[1]), s.add(a[2], a[3]));
+            let o = acc.add(j * S::L);
+            s.store(o, s.add(s.load(o), r));
+        }
+    }
+}
+
+/// Broadcast `T` weights.
+///
+/// # Safety
+/// `p` valid for `T` floats.
+#[inline(always)]
+unsafe fn splat_tile<S: Simd>(s: S, p: *const f32) -> [S::F; 16] {
+    let mut w = [s.zero(); 16];
+    for (tt, w) in w.iter_mut().enumerate().take(S::T) {
+        // SAFETY: `tt < T`.
+        *w = unsafe { s.bcast(p.add(tt)) };
+    }
+    w
+}
+
+/// Write the first `out.len() ≤ T` lanes of `v`.
+#[inline(always)]
+fn store_lanes<S: Simd>(s: S, v: S::F, out: &mut [f32]) {
+    if out.len() == S::T {
+        // SAFETY: `out` holds `T = L` floats.
+        unsafe { s.store(out.as_mut_ptr(), v) };
+        return;
+    }
+    let mut tmp = [0f32; 16];
+    // SAFETY: `tmp` holds 16 ≥ L floats.
+    unsafe { s.store(tmp.as_mut_ptr(), v) };
+    out.copy_from_slice(&tmp[..out.len()]);
+}
+
+/// Widen stored scales/zeros: `dst[i]` from bytes `i·fb..` of `src`.
+#[inline(always)]
+fn cvt_params<S: Simd>(s: S, fmt: ScaleFormat, src: &[u8], dst: &mut [f32]) {
+    let fb = fmt.bytes();
+    let n = dst.len();
+    assert!(src.len() >= n * fb, "kernels: params shorter than expected");
+    let mut i = 0;
+    while i + S::L <= n {
+        // SAFETY: `i + L ≤ n`: `src` holds `(i+L)·fb` bytes, `dst` `i+L` floats.
+        unsafe {
+            let p = src.as_ptr().add(i * fb);
+            let v = match fmt {
+                ScaleFormat::F16 => s.load_f16(p),
+                ScaleFormat::Bf16 => s.load_bf16(p),
+                ScaleFormat::F32 => s.load_f32_bytes(p),
+            };
+            s.store(dst.as_mut_ptr().add(i), v);
+        }
+        i += S::L;
+    }
+    for (k, d) in dst.iter_mut().enumerate().skip(i) {
+        *d = fmt.read(&src[k * fb..]);
+    }
+}
+
+/// `dst = src·k`, elementwise.
+#[inline(always)]
+fn scale_into<S: Simd>(s: S, src: &[f32], k: f32, dst: &mut [f32]) {
+    assert!(dst.len() >= src.len());
+    let n = src.len();
+    let mut i = 0;
+    while i + S::L <= n {
+        // SAFETY: `i + L ≤ n ≤ dst.len()`.
+        unsafe { s.store(dst.as_mut_ptr().add(i), s.mul(s.load(src.as_ptr().add(i)), s.splat(k))) };
+        i += S::L;
+    }
+    for c in i..n {
+        dst[c] = src[c] * k;
+    }
+}
+
+/// The scheme as the kernels need it.
+#[derive(Clone, Copy)]
+struct Plan {
+    tokens: usize,
+    fmt: ScaleFormat,
+    sym: bool,
+    /// `2^(bits-1)`: a symmetric group's implied zero is `-scale·half`.
+    half: f32,
+}
+
+impl Plan {
+    #[inline(always)]
+    fn new(head: &PackedHead<'_>) -> Plan {
+        let sc = head.layout().scheme();
+        Plan {
+            tokens: head.tokens(),
+            fmt: sc.scale_format(),
+            sym: sc.mode() == Mode::Symmetric,
+            half: (1u32 << (sc.bits() - 1)) as f32,
+        }
+    }
+}
+
+/// Per-token params of one tile, widened to `f32` in place of the stored
+/// layout (`[s_0 … s_{g-1}][z_0 … z_{g-1}]` per token; symmetric zeros
+/// computed into `zs`), plus, for groups that do not line up with whole
+/// vectors, the same expanded to one scale and zero per channel.
+struct TileParams {
+    /// Numbers per token as stored (`gpr` or `2·gpr`).
+    vals: usize,
+    gpr: usize,
+    /// Channels per group.
+    cpg: usize,
+    p: Plan,
+    conv: Buf,
+    zs: Buf,
+    goff: [u32; MAX_NCH],
+    /// Expanded `(scales, zeros)`, `T` rows of `hdp`, when groups do not
+    /// line up with vectors.
+    rows: Option<(Buf, Buf)>,
+    hd: usize,
+    hdp: usize,
+}
+
+impl TileParams {
+    #[inline(always)]
+    fn new<S: Simd>(head: &PackedHead<'_>, g: Geo, p: Plan) -> TileParams {
+        let l = head.layout();
+        let gpr = l.groups_per_row();
+        let cpg = l.channels_per_group();
+        let vals = gpr * if p.sym { 1 } else { 2 };
+        let aligned = cpg % S::L == 0 && g.nch <= MAX_NCH;
+        let mut goff = [0u32; MAX_NCH];
+        if aligned {
+            for (j, o) in goff.iter_mut().enumerate().take(g.nch) {
+                *o = (j * S::L / cpg) as u32;
+            }
+        }
+        TileParams {
+            vals,
+            gpr,
+            cpg,
+            p,
+            conv: Buf::new(S::T * vals + PAD),
+            zs: Buf::new(if p.sym { S::T * gpr + PAD } else { 0 }),
+            goff,
+            rows: (!aligned).then(|| (Buf::new(S::T * g.hdp), Buf::new(S::T * g.hdp))),
+            hd: g.hd,
+            hdp: g.hdp,
+        }
+    }
+
+    /// Load the params of tokens `t0..t0+n`.
+    #[inline(always)]
+    fn load<S: Simd>(&mut self, s: S, head: &PackedHead<'_>, t0: usize, n: usize) {
+        let fb = self.p.fmt.bytes();
+        let src = &head.params()[t0 * self.vals * fb..(t0 + n) * self.vals * fb];
+        cvt_params(s, self.p.fmt, src, &mut self.conv.m()[..n * self.vals]);
+        if self.p.sym {
+            scale_into(s, &self.conv.s()[..n * self.gpr], -self.p.half, self.zs.m());
+        }
+        if let Some((rs, rz)) = &mut self.rows {
+            let (hd, hdp, gpr, vals, cpg) = (self.hd, self.hdp, self.gpr, self.vals, self.cpg);
+            for tt in 0..n {
+                for c in 0..hd {
+                    let k = c / cpg;
+                    rs.m()[tt * hdp + c] = self.conv.s()[tt * vals + k];
+                    rz.m()[tt * hdp + c] = if self.p.sym {
+                        self.zs.s()[tt * gpr + k]
+                    } else {
+                        self.conv.s()[tt * vals + gpr + k]
+                    };
+                }
+            }
+        }
+    }
+
+    /// Scale and zero of token `tt`, group `k`.
+    #[inline(always)]
+    fn sz(&self, tt: usize, k: usize) -> (f32, f32) {
+        let s = self.conv.s()[tt * self.vals + k];
+        let z = if self.p.sym {
+            self.zs.s()[tt * self.gpr + k]
+        } else {
+            self.conv.s()[tt * self.vals + self.gpr + k]
+        };
+        (s, z)
+    }
+
+    #[inline(always)]
+    fn deq(&self) -> PerToken {
+        let sc = self.conv.s().as_ptr();
+        PerToken {
+            sc,
+            ze: if self.p.sym {
+                self.zs.s().as_ptr()
+            } else {
+                sc.wrapping_add(self.gpr)
+            },
+            stride: if self.p.sym { self.gpr } else { self.vals },
+            goff: self.goff,
+        }
+    }
+
+    #[inline(always)]
+    fn deq_rows(&self) -> Option<Rows> {
+        self.rows.as_ref().map(|(rs, rz)| Rows {
+            sc: rs.s().as_ptr(),
+            ze: rz.s().as_ptr(),
+            stride: self.hdp,
+        })
+    }
+}
+
+/// Per-channel params of block `k` into `sc`/`ze` (`hd` each; the padding
+/// up to `hdp` stays zero).
+#[inline(always)]
+fn block_params<S: Simd>(s: S, head: &PackedHead<'_>, p: &Plan, hd: usize, k: usize, sc: &mut [f32], ze: &mut [f32]) {
+    let fb = p.fmt.bytes();
+    let set = hd * fb * if p.sym { 1 } else { 2 };
+    let src = &head.params()[k * set..(k + 1) * set];
+    cvt_params(s, p.fmt, &src[..hd * fb], &mut sc[..hd]);
+    if p.sym {
+        scale_into(s, &sc[..hd], -p.half, ze);
+    } else {
+        cvt_params(s, p.fmt, &src[hd * fb..], &mut ze[..hd]);
+    }
+}
+
+/// Packed scores: `out[i·tokens + t] = q_i · k̂_t`.
+///
+/// Per-channel keys: the block's scales are folded into the queries
+/// (`q'_c = q_c·scale_c`, once per block) and its zeros into one bias per
+/// query, so the tile holds raw codes. Per-token keys are dequantized into
+/// the tile.
+///
+/// # Safety
+/// [`super::check_head`]`(head, q.len(), out.len())` passed; `HD` is 0 or
+/// the head's `head_dim`.
+#[inline(always)]
+pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
+    s: S,
+    head: &PackedHead<'_>,
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let p = Plan::new(head);
+    let g = Geo::new::<S, B, HD>(head.layout().head_dim());
+    let (hd, hdp, t_all) = (g.hd, g.hdp, p.tokens);
+    let nq = q.len() / hd;
+    if t_all == 0 {
+        return;
+    }
+    let mut scr = Buf::new(S::T * hdp);
+    let mut u8buf = vec![0u8; hdp];
+    let mut qp = Buf::new(nq * hdp);
+    for i in 0..nq {
+        qp.m()[i * hdp..i * hdp + hd].copy_from_slice(&q[i * hd..(i + 1) * hd]);
+    }
+    // Unpack into registers (no scratch) when the shape is a compile-time
+    // constant and the unpacked row fits the register file.
+    let fused = HD > 0 && g.fast && g.nch <= MAX_NCH && (nq == 1 || g.nch <= S::REGS / 2);
+    let mut accbuf = Buf::new(nq * S::T * S::L);
+    let codes = head.codes().as_ptr();
+    match head.layout().scheme().axis() {
+        Axis::PerChannel => {
+            let gl = head.layout().group_len();
+            let (mut sc, mut ze, mut qs) = (Buf::new(hdp), Buf::new(hdp), Buf::new(nq * hdp));
+            let mut bias = vec![0f32; nq];
+            for k in 0..t_all.div_ceil(gl) {
+                block_params(s, head, &p, hd, k, sc.m(), ze.m());
+                for i in 0..nq {
+                    let mut b = s.zero();
+                    for j in 0..g.nch {
+                        let o = i * hdp + j * S::L;
+                        // SAFETY: vector `j < nch` of buffers of `hdp`
+                        // floats per query (`qp`, `qs`) or of `hdp` (`sc`, `ze`).
+                        unsafe {
+                            let qv = s.load(qp.s().as_ptr().add(o));
+                            let sv = s.load(sc.s().as_ptr().add(j * S::L));
+                            s.store(qs.m().as_mut_ptr().add(o), s.mul(qv, sv));
+                            b = s.fma(qv, s.load(ze.s().as_ptr().add(j * S::L)), b);
+                        }
+                    }
+                    bias[i] = s.hsum(b);
+                }
+                let t_end = ((k + 1) * gl).min(t_all);
+                let mut t0 = k * gl;
+                while t0 < t_end {
+                    let n = S::T.min(t_end - t0);
+                    let rows = codes.wrapping_add(t0 * g.rb);
+                    for i in 0..nq {
+                        // SAFETY: rows `t0..t0+n ≤ tokens` are in `codes`
+                        // (check_head); the scratch holds `T` rows of `hdp`,
+                        // `accbuf` `T` vectors per query, `qs` `hdp` floats
+                        // per query.
+                        let r = unsafe {
+                            if fused {
+                                if i == 0 {
+                                    fused_scores_tile::<S, B, Raw>(s, g, rows, n, Raw, qs.s().as_ptr(), nq, accbuf.m().as_mut_ptr());
+                                }
+                                reduce_query(s, accbuf.s().as_ptr(), i)
+                            } else {
+                                if i == 0 {
+                                    unpack_tile::<S, B, Raw>(s, g, rows, n, scr.m().as_mut_ptr(), u8buf.as_mut_ptr(), Raw);
+                                }
+                                dot_tile(s, scr.s().as_ptr(), g.nch, qs.s().as_ptr().add(i * hdp))
+                            }
+                        };
+                        let r = s.add(r, s.splat(bias[i]));
+                        store_lanes(s, r, &mut out[i * t_all + t0..i * t_all + t0 + n]);
+                    }
+                    t0 += n;
+                }
+            }
+        }
+        Axis::PerToken => {
+            let mut tp = TileParams::new::<S>(head, g, p);
+            let mut t0 = 0;
+            let fused = fused && tp.rows.is_none();
+            while t0 < t_all {
+                let n = S::T.min(t_all - t0);
+                tp.load(s, head, t0, n);
+                // SAFETY: as in the per-channel arm; `tp` holds this tile's params.
+                unsafe {
+                    let (rows, sp, u8b) = (codes.add(t0 * g.rb), scr.m().as_mut_ptr(), u8buf.as_mut_ptr());
+                    match tp.deq_rows() {
+                        _ if fused => {
+                            fused_scores_tile::<S, B, PerToken>(s, g, rows, n, tp.deq(), qp.s().as_ptr(), nq, accbuf.m().as_mut_ptr())
+                        }
+                        None => unpack_tile::<S, B, PerToken>(s, g, rows, n, sp, u8b, tp.deq()),
+                        Some(d) => unpack_tile::<S, B, Rows>(s, g, rows, n, sp, u8b, d),
+                    }
+                }
+                for i in 0..nq {
+                    // SAFETY: `qp` holds `hdp` floats per query, `accbuf`
+                    // `T` vectors per query.
+                    let r = unsafe {
+                        if fused {
+                            reduce_query(s, accbuf.s().as_ptr(), i)
+                        } else {
+                            dot_tile(s, scr.s().as_ptr(), g.nch, qp.s().as_ptr().add(i * hdp))
+                        }
+                    };
+                    store_lanes(s, r, &mut out[i * t_all + t0..i * t_all + t0 + n]);
+                }
+                t0 += n;
+            }
+        }
+    }
+}
+
+/// Packed weighted sum: `out_i += Σ_t p[i·tokens + t] · v̂_t`.
+///
+/// Per-token values with groups of whole vectors keep raw codes in the
+/// tile and fold the scales into the weights, group by group
+/// (`w_tg = p_t·scale_tg`), adding `Σ_t p_t·zero_tg` per group at the end.
+/// Other groupings and per-channel values are dequantized into the tile.
+///
+/// # Safety
+/// [`super::check_head`]`(head, out.len(), p.len())` passed; `HD` is 0 or
+/// the head's `head_dim`.
+#[inline(always)]
+pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
+    s: S,
+    head: &PackedHead<'_>,
+    p: &[f32],
+    out: &mut [f32],
+) {
+    let pl = Plan::new(head);
+    let g = Geo::new::<S, B, HD>(head.layout().head_dim());
+    let (hd, hdp, t_all) = (g.hd, g.hdp, pl.tokens);
+    let nq = out.len() / hd;
+    if t_all == 0 {
+        return;
+    }
+    let mut scr = Buf::new(S::T * hdp);
+    let mut u8buf = vec![0u8; hdp];
+    let mut acc = Buf::new(nq * hdp);
+    let codes = head.codes().as_ptr();
+    // The tile's weights of query `i`, zero past its last token.
+    let tile_p = |i: usize, t0: usize, n: usize| {
+        let mut w = [0f32; 16];
+        w[..n].copy_from_slice(&p[i * t_all + t0..i * t_all + t0 + n]);
+        w
+    };
+    match head.layout().scheme().axis() {
+        Axis::PerToken if HD > 0 && g.fast && nq == 1 && g.nch <= MAX_NCH && head.layout().channels_per_group() % S::L == 0 => {
+            let mut tp = TileParams::new::<S>(head, g, pl);
+            // SAFETY: check_head passed; the shape conditions of the arm hold.
+            unsafe { fused_sum_pt::<S, B>(s, g, head, &mut tp, p, acc.m()) };
+        }
+        Axis::PerToken => {
+            let mut tp = TileParams::new::<S>(head, g, pl);
+            let gpr = tp.gpr;
+            // Group-major weights `w[k][t] = p_t·scale_tk` and `Σ p·zero` per group.
+            let mut wk = Buf::new(gpr * S::T);
+            let mut zacc = vec![0f32; nq * gpr];
+            let vpg = tp.cpg / S::L;
+            let mut t0 = 0;
+            while t0 < t_all {
+                let n = S::T.min(t_all - t0);
+                tp.load(s, head, t0, n);
+                let rows = tp.deq_rows();
+                // SAFETY: rows `t0..t0+n ≤ tokens` are in `codes`
+                // (check_head); the scratch holds `T` rows of `hdp`.
+                unsafe {
+                    let (r, sp, u8b) = (codes.add(t0 * g.rb), scr.m().as_mut_ptr(), u8buf.as_mut_ptr());
+                    match rows {
+                        None => unpack_tile::<S, B, Raw>(s, g, r, n, sp, u8b, Raw),
+                        Some(d) => unpack_tile::<S, B, Rows>(s, g, r, n, sp, u8b, d),
+                    }
+                }
+                for i in 0..nq {
+                    let pt = tile_p(i, t0, n);
+                    let a = acc.m()[i * hdp..].as_mut_ptr();
+                    if rows.is_some() {
+                        // SAFETY: `pt` holds T weights; `acc` `hdp` floats per query.
+                        unsafe { sum_vectors(s, scr.s().as_ptr(), 0, g.nch, &splat_tile(s, pt.as_ptr()), a) };
+                        continue;
+                    }
+                    let w = wk.m();
+                    for k in 0..gpr {
+                        let mut zs = 0f32;
+                        for tt in 0..n {
+                            let (sc, ze) = tp.sz(tt, k);
+                            w[k * S::T + tt] = pt[tt] * sc;
+                            zs += pt[tt] * ze;
+                        }
+                        w[k * S::T + n..(k + 1) * S::T].fill(0.0);
+                        zacc[i * gpr + k] += zs;
+                    }
+                    for k in 0..gpr {
+                        // SAFETY: `wk` holds `gpr·T` floats; vectors
+                        // `k·vpg..(k+1)·vpg ≤ nch` (groups are whole vectors).
+                        unsafe {
+                            let w = splat_tile(s, wk.s().as_ptr().add(k * S::T));
+                            sum_vectors(s, scr.s().as_ptr(), k * vpg, (k + 1) * vpg, &w, a);
+                        }
+                    }
+                }
+                t0 += n;
+            }
+            if tp.rows.is_none() {
+                for i in 0..nq {
+                    for c in 0..hd {
+                        acc.m()[i * hdp + c] += zacc[i * gpr + c / tp.cpg];
+                    }
+                }
+            }
+        }
+        Axis::PerChannel => {
+            let gl = head.layout().group_len();
+            let (mut sc, mut ze) = (Buf::new(hdp), Buf::new(hdp));
+            for k in 0..t_all.div_ceil(gl) {
+                block_params(s, head, &pl, hd, k, sc.m(), ze.m());
+                let d = Rows {
+                    sc: sc.s().as_ptr(),
+                    ze: ze.s().as_ptr(),
+                    stride: 0,
+                };
+                let t_end = ((k + 1) * gl).min(t_all);
+                let mut t0 = k * gl;
+                while t0 < t_end {
+                    let n = S::T.min(t_end - t0);
+                    // SAFETY: as above; `sc`/`ze` hold the block's `hdp`
+                    // params and are not written meanwhile.
+                    unsafe {
+                        unpack_tile::<S, B, Rows>(s, g, codes.add(t0 * g.rb), n, scr.m().as_mut_ptr(), u8buf.as_mut_ptr(), d);
+                    }
+                    for i in 0..nq {
+                        let pt = tile_p(i, t0, n);
+                        // SAFETY: `pt` holds T weights; `acc` `hdp` floats per query.
+                        unsafe {
+                            let a = acc.m()[i * hdp..].as_mut_ptr();
+                            sum_vectors(s, scr.s().as_ptr(), 0, g.nch, &splat_tile(s, pt.as_ptr()), a);
+                        }
+                    }
+                    t0 += n;
+                }
+            }
+        }
+    }
+    for i in 0..nq {
+        for (o, a) in out[i * hd..(i + 1) * hd].iter_mut().zip(&acc.s()[i * hdp..]) {
+            *o += a;
+        }
+    }
+}
+
+/// Fused weighted sum of per-token values for one query: each row is
+/// unpacked into registers and added with the weight `p_t·scale_tg` of its
+/// group; `Σ_t p_t·zero_tg` is kept per group and added at the end. The
+/// accumulators live in registers for a tile at a time, in column blocks
+/// of at most half the register file.
+///
+/// # Safety
+/// `check_head` passed for one query; `Geo::fast`, `nch ≤ MAX_NCH`, groups
+/// of whole vectors; `acc` holds `hdp` floats.
+#[inline(always)]
+unsafe fn fused_sum_pt<S: Simd, const B: u8>(
+    s: S,
+    g: Geo,
+    head: &PackedHead<'_>,
+    tp: &mut TileParams,
+    p: &[f32],
+    acc: &mut [f32],
+) {
+    let t_all = head.tokens();
+    let gpr = tp.gpr;
+    let cpg = tp.cpg;
+    let gch = gpr.div_ceil(S::L);
+    let wst = gch * S::L;
+    // Per-token group weights of the tile, `T` rows of `wst`.
+    let mut wbuf = Buf::new(S::T * wst);
+    let mut zacc = [s.zero(); 4];
+    let jb = S::REGS / 2;
+    let codes = head.codes().as_ptr();
+    let goff = tp.goff;
+    assert!(acc.len() >= g.hdp && gch <= 4 && p.len() >= t_all);
+    let mut t0 = 0;
+    while t0 < t_all {
+        let n = S::T.min(t_all - t0);
+        tp.load(s, head, t0, n);
+        let d = tp.deq();
+        for tt in 0..n {
+            let pb = s.splat(p[t0 + tt]);
+            for (c, z) in zacc.iter_mut().enumerate().take(gch) {
+                // SAFETY: the params buffers are padded by `PAD ≥ wst`
+                // floats past the tile's last token, so these `L`-lane
+                // reads stay inside; lanes past `gpr` are never used.
+                unsafe {
+                    let o = tt * d.stride + c * S::L;
+                    s.store(wbuf.m().as_mut_ptr().add(tt * wst + c * S::L), s.mul(s.load(d.sc.add(o)), pb));
+                    *z = s.fma(s.load(d.ze.add(o)), pb, *z);
+                }
+            }
+        }
+        let mut j0 = 0;
+        while j0 < g.nch {
+            let j1 = (j0 + jb).min(g.nch);
+            let mut a = [s.zero(); 16];
+            // SAFETY: vectors `j < nch` of `acc` (hdp floats), rows
+            // `t0..t0+n ≤ tokens` of `codes` (check_head), weights of
+            // groups `goff[j] < gpr ≤ wst`.
+            unsafe {
+                for j in j0..j1 {
+                    a[j - j0] = s.load(acc.as_ptr().add(j * S::L));
+                }
+                for tt in 0..n {
+                    let row = codes.add((t0 + tt) * g.rb);
+                    let w = wbuf.s().as_ptr().add(tt * wst);
+                    for j in j0..j1 {
+                        let x = s.cvt(codes_vec::<S, B>(s, row, g.hd, j));
+                        a[j - j0] = s.fma(x, s.bcast(w.add(goff[j] as usize)), a[j - j0]);
+                    }
+                }
+                for j in j0..j1 {
+                    s.store(acc.as_mut_ptr().add(j * S::L), a[j - j0]);
+                }
+            }
+            j0 = j1;
+        }
+        t0 += n;
+    }
+    let mut zs = [0f32; 64];
+    for (c, z) in zacc.iter().enumerate().take(gch) {
+        // SAFETY: `zs` holds 64 ≥ 4·L floats.
+        unsafe { s.store(zs.as_mut_ptr().add(c * S::L), *z) };
+    }
+    for (c, a) in acc[..g.hd].iter_mut().enumerate() {
+        *a += zs[c / cpg];
+    }
+}
+
+/// Elements of a dense cache: `f32` or `f16`.
+pub(crate) trait DenseElem: Copy {
+    /// Load `L` elements as floats.
+    ///
+    /// # Safety
+    /// `p` valid for `L` elements.
+    unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::F;
+    /// One element as `f32`.
+    fn get(self) -> f32;
+}
+
+impl DenseElem for f32 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const f32) -> S::F {
+        // SAFETY: the caller's contract.
+        unsafe { s.load(p) }
+    }
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self
+    }
+}
+
+impl DenseElem for f16 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const f16) -> S::F {
+        // SAFETY: the caller's contract; `f16` is two little-endian bytes.
+        unsafe { s.load_f16(p as *const u8) }
+    }
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// Dense scores, `out[i·tokens + t] = q_i · k_t` over `k = [tokens, hd]`.
+///
+/// Panics unless `k.len()`, `q.len()` are multiples of `hd` and
+/// `out.len() = n_q·tokens`.
+#[inline(always)]
+pub(super) fn dense_scores<S: Simd, E: DenseElem>(s: S, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
+    assert!(hd > 0 && k.len() % hd == 0 && q.len() % hd == 0, "dense: lengths");
+    let t_all = k.len() / hd;
+    let nq = q.len() / hd;
+    assert_eq!(out.len(), nq * t_all, "dense: output length");
+    let full = hd / S::L;
+    let tail = full * S::L;
+    let kp = k.as_ptr();
+    let mut t0 = 0;
+    while t0 + S::T <= t_all {
+        for i in 0..nq {
+            let qi = &q[i * hd..(i + 1) * hd];
+            let mut acc = [s.zero(); 16];
+            for j in 0..full {
+                // SAFETY: rows `t0..t0+T ≤ tokens` of `k`; elements
+                // `j·L..j·L+L ≤ hd` of each row and of `qi`.
+                unsafe {
+                    let qj = s.load(qi.as_ptr().add(j * S::L));
+                    for (tt, a) in acc.iter_mut().enumerate().take(S::T) {
+                        *a = s.fma(E::load(s, kp.add((t0 + tt) * hd + j * S::L)), qj, *a);
+                    }
+                }
+            }
+            let o = &mut out[i * t_all + t0..i * t_all + t0 + S::T];
+            store_lanes(s, s.reduce(&acc), o);
+            if tail < hd {
+                for (tt, o) in o.iter_mut().enumerate() {
+                    let row = &k[(t0 + tt) * hd..(t0 + tt + 1) * hd];
+                    *o += (tail..hd).map(|c| qi[c] * row[c].get()).sum::<f32>();
+                }
+            }
+        }
+        t0 += S::T;
+    }
+    for t in t0..t_all {
+        let row = &k[t * hd..(t + 1) * hd];
+        for i in 0..nq {
+            let qi = &q[i * hd..(i + 1) * hd];
+            let mut a = s.zero();
+            for j in 0..full {
+                // SAFETY: elements `j·L..j·L+L ≤ hd` of `row` and `qi`.
+                unsafe { a = s.fma(E::load(s, row.as_ptr().add(j * S::L)), s.load(qi.as_ptr().add(j * S::L)), a) };
+            }
+            out[i * t_all + t] = s.hsum(a) + (tail..hd).map(|c| qi[c] * row[c].get()).sum::<f32>();
+        }
+    }
+}
+
+/// Dense weighted sum, `out_i += Σ_t p[i·tokens + t] · v_t`.
+///
+/// Panics unless `v.len()`, `out.len()` are multiples of `hd` and
+/// `p.len() = n_q·tokens`.
+#[inline(always)]
+pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(s: S, hd: usize, v: &[E], p: &[f32], out: &mut [f32]) {
+    assert!(hd > 0 && v.len() % hd == 0 && out.len() % hd == 0, "dense: lengths");
+    let t_all = v.len() / hd;
+    let nq = out.len() / hd;
+    assert_eq!(p.len(), nq * t_all, "dense: weights length");
+    let full = hd / S::L;
+    let tail = full * S::L;
+    let vp = v.as_ptr();
+    let mut t0 = 0;
+    while t0 + S::T <= t_all {
+        for i in 0..nq {
+            let pi = &p[i * t_all + t0..i * t_all + t0 + S::T];
+            let oi = &mut out[i * hd..(i + 1) * hd];
+            let mut w = [s.zero(); 16];
+            for (w, p) in w.iter_mut().zip(pi) {
+                *w = s.splat(*p);
+            }
+            for j in 0..full {
+                // SAFETY: rows `t0..t0+T ≤ tokens` of `v`; elements
+                // `j·L..j·L+L ≤ hd` of each row and of `oi`.
+                unsafe {
+                    let mut a = [s.zero(); 4];
+                    for (tt, w) in w.iter().enumerate().take(S::T) {
+                        a[tt % 4] = s.fma(E::load(s, vp.add((t0 + tt) * hd + j * S::L)), *w, a[tt % 4]);
+                    }
+                    let r = s.add(s.add(a[0], a[1]), s.add(a[2], a[3]));
+                    let o = oi.as_mut_ptr().add(j * S::L);
+                    s.store(o, s.add(s.load(o), r));
+                }
+            }
+            for (c, o) in oi.iter_mut().enumerate().skip(tail) {
+                *o += (0..S::T).map(|tt| pi[tt] * v[(t0 + tt) * hd + c].get()).sum::<f32>();
+            }
+        }
+        t0 += S::T;
+    }
+    for t in t0..t_all {
+        let row = &v[t * hd..(t + 1) * hd];
+        for i in 0..nq {
+            let w = p[i * t_all + t];
+            let oi = &mut out[i * hd..(i + 1) * hd];
+            for j in 0..full {
+                // SAFETY: elements `j·L..j·L+L ≤ hd` of `row` and `oi`.
+                unsafe {
+                    let o = oi.as_mut_ptr().add(j * S::L);
+                    s.store(o, s.fma(E::load(s, row.as_ptr().add(j * S::L)), s.splat(w), s.load(o)));
+                }
+            }
+            for c in tail..hd {
+                oi[c] += w * row[c].get();
+            }
+        }
+    }
+}

@@ -1,0 +1,795 @@
+//! Tests of the evaluation harness in `examples/common` that need no assets:
+//! the reference transformer (prefill vs decode, quant points, q/k norm),
+//! the GGUF reader (round trip of a file written here, truncation and
+//! corruption), the tokenizer (tiny vocabulary) and the capture format.
+
+#[path = "../examples/common/mod.rs"]
+mod common;
+
+use common::capture::{Capture, Recorder};
+use common::gguf::{GgmlType, Gguf, Value};
+use common::model::{Config, DenseStore, Hooks, KvStore, Model, QuantPoint, RopeStyle, RoundTrip};
+use common::ppl::{perplexity, window_logits, EvalPath, PplOptions};
+use common::tokenizer::Tokenizer;
+
+// ---------------------------------------------------------------- model ----
+
+fn tiny_config(rope_style: RopeStyle) -> Config {
+    Config {
+        n_layers: 2,
+        d_model: 32,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+        ffn_dim: 48,
+        vocab_size: 61,
+        rope_base: 10_000.0,
+        rope_dim: 8,
+        rope_style,
+        rms_eps: 1e-5,
+        ctx_len: 128,
+    }
+}
+
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = common::model::SplitMix64(seed);
+    (0..n)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+/// Logits of every position, fed as one block.
+fn prefill_logits(m: &Model, toks: &[u32], hooks: &mut Hooks<'_>) -> Vec<f32> {
+    let mut store = DenseStore::for_config(&m.cfg);
+    window_logits(m, toks, &mut store, hooks).unwrap()
+}
+
+/// Logits of every position, fed one token at a time.
+fn decode_logits(m: &Model, toks: &[u32], hooks: &mut Hooks<'_>) -> Vec<f32> {
+    let mut store = DenseStore::for_config(&m.cfg);
+    let mut out = Vec::new();
+    for (i, &t) in toks.iter().enumerate() {
+        let h = m.forward(&[t], i, &mut store, hooks).unwrap();
+        out.extend(m.logits(h.view()).iter());
+    }
+    assert_eq!(store.len(0), toks.len());
+    out
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn prefill_equals_decode_without_and_with_qk_norm() {
+    for (qk_norm, style) in [
+        (false, RopeStyle::Adjacent),
+        (true, RopeStyle::Adjacent),
+        (true, RopeStyle::Halves),
+    ] {
+        let m = Model::random(tiny_config(style), 7, qk_norm);
+        assert_eq!(m.layers[0].k_norm.is_some(), qk_norm);
+        let toks = tokens(37, m.cfg.vocab_size, 1);
+        let a = prefill_logits(&m, &toks, &mut Hooks::default());
+        let b = decode_logits(&m, &toks, &mut Hooks::default());
+        let scale = a.iter().fold(0.0f32, |s, v| s.max(v.abs()));
+        let d = max_abs_diff(&a, &b);
+        assert!(scale > 0.1, "degenerate logits");
+        assert!(
+            d <= 2e-5 * scale,
+            "qk_norm={qk_norm} {style:?}: diff {d} (scale {scale})"
+        );
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_single_block() {
+    let m = Model::random(tiny_config(RopeStyle::Adjacent), 3, true);
+    let toks = tokens(40, m.cfg.vocab_size, 2);
+    let full = prefill_logits(&m, &toks, &mut Hooks::default());
+    let mut store = DenseStore::for_config(&m.cfg);
+    let mut out = Vec::new();
+    for (start, end) in [(0, 17), (17, 18), (18, 40)] {
+        let h = m
+            .forward(&toks[start..end], start, &mut store, &mut Hooks::default())
+            .unwrap();
+        out.extend(m.logits(h.view()).iter());
+    }
+    assert!(max_abs_diff(&full, &out) < 1e-4);
+}
+
+#[test]
+fn causality_future_tokens_do_not_change_past_logits() {
+    let m = Model::random(tiny_config(RopeStyle::Adjacent), 11, false);
+    let mut toks = tokens(20, m.cfg.vocab_size, 5);
+    let a = prefill_logits(&m, &toks, &mut Hooks::default());
+    toks[19] = (toks[19] + 1) % m.cfg.vocab_size as u32;
+    let b = prefill_logits(&m, &toks, &mut Hooks::default());
+    let v = m.cfg.vocab_size;
+    assert!(max_abs_diff(&a[..19 * v], &b[..19 * v]) < 1e-5);
+    assert!(max_abs_diff(&a[19 * v..], &b[19 * v..]) > 1e-4);
+}
+
+/// Round to a coarse grid: a crude stand-in quantizer.
+struct Coarse(f32);
+
+impl Coarse {
+    fn apply(&self, x: &mut [f32]) {
+        x.iter_mut()
+            .for_each(|v| *v = (*v / self.0).round() * self.0);
+    }
+}
+
+impl RoundTrip for Coarse {
+    fn round_trip(&self, x: &mut [f32], n: usize, nkv: usize, hd: usize) -> Result<(), String> {
+        assert_eq!(x.len(), n * nkv * hd);
+        self.apply(x);
+        Ok(())
+    }
+}
+
+/// Identity "quantizer" that counts calls.
+#[derive(Default)]
+struct Identity(std::cell::Cell<usize>);
+
+impl RoundTrip for Identity {
+    fn round_trip(&self, _: &mut [f32], _: usize, _: usize, _: usize) -> Result<(), String> {
+        self.0.set(self.0.get() + 1);
+        Ok(())
+    }
+}
+
+#[test]
+fn quant_points_are_applied_where_asked() {
+    let m = Model::random(tiny_config(RopeStyle::Adjacent), 5, true);
+    let toks = tokens(24, m.cfg.vocab_size, 9);
+    let base = prefill_logits(&m, &toks, &mut Hooks::default());
+
+    // An identity round trip changes nothing and runs once per layer.
+    for point in [
+        QuantPoint::AfterKProj,
+        QuantPoint::AfterKNorm,
+        QuantPoint::AfterRope,
+    ] {
+        let id = Identity::default();
+        let mut hooks = Hooks {
+            k: Some((point, &id)),
+            ..Hooks::default()
+        };
+        assert_eq!(prefill_logits(&m, &toks, &mut hooks), base);
+        assert_eq!(id.0.get(), m.cfg.n_layers);
+    }
+
+    // A real round trip changes the output, differently per point.
+    let q = Coarse(0.25);
+    let run = |point| {
+        let mut hooks = Hooks {
+            k: Some((point, &q as &dyn RoundTrip)),
+            ..Hooks::default()
+        };
+        prefill_logits(&m, &toks, &mut hooks)
+    };
+    let (a, b, c) = (
+        run(QuantPoint::AfterKProj),
+        run(QuantPoint::AfterKNorm),
+        run(QuantPoint::AfterRope),
+    );
+    assert!(max_abs_diff(&a, &base) > 1e-4);
+    assert!(max_abs_diff(&a, &b) > 1e-5);
+    assert!(max_abs_diff(&b, &c) > 1e-5);
+
+    // Values have one point.
+    let mut hooks = Hooks {
+        v: Some(&q),
+        ..Hooks::default()
+    };
+    assert!(max_abs_diff(&prefill_logits(&m, &toks, &mut hooks), &base) > 1e-4);
+}
+
+#[test]
+fn quantizing_after_rope_equals_a_quantizing_store() {
+    /// A store that quantizes K on the way in: what a kvq-backed store does.
+    struct QuantStore(DenseStore, Coarse);
+    impl KvStore for QuantStore {
+        fn extend(&mut self, l: usize, k: &[f32], v: &[f32]) -> Result<(), String> {
+            let mut k = k.to_vec();
+            self.1.apply(&mut k);
+            self.0.extend(l, &k, v)
+        }
+        fn attend_causal(
+            &mut self,
+            l: usize,
+            q: &[f32],
+            h: usize,
+            o: &mut [f32],
+        ) -> Result<(), String> {
+            self.0.attend_causal(l, q, h, o)
+        }
+        fn attend(&mut self, l: usize, q: &[f32], h: usize, o: &mut [f32]) -> Result<(), String> {
+            self.0.attend(l, q, h, o)
+        }
+        fn reset(&mut self) {
+            self.0.reset()
+        }
+    }
+    let m = Model::random(tiny_config(RopeStyle::Adjacent), 8, false);
+    let toks = tokens(16, m.cfg.vocab_size, 4);
+    let q = Coarse(0.125);
+    let mut hooks = Hooks {
+        k: Some((QuantPoint::AfterRope, &q)),
+        ..Hooks::default()
+    };
+    let a = prefill_logits(&m, &toks, &mut hooks);
+    let mut store = QuantStore(DenseStore::for_config(&m.cfg), Coarse(0.125));
+    let b = window_logits(&m, &toks, &mut store, &mut Hooks::default()).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn perplexity_paths_agree_and_windows_reset() {
+    let m = Model::random(tiny_config(RopeStyle::Adjacent), 21, true);
+    let toks = tokens(64, m.cfg.vocab_size, 3);
+    let mut store = DenseStore::for_config(&m.cfg);
+    let mut run = |path| {
+        let opts = PplOptions {
+            n_tokens: 64,
+            window: 16,
+            path,
+        };
+        perplexity(
+            &m,
+            &toks,
+            &mut store,
+            &mut Hooks::default(),
+            &opts,
+            |_, _| {},
+        )
+        .unwrap()
+    };
+    let p = run(EvalPath::Prefill);
+    let d = run(EvalPath::Decode);
+    assert_eq!(p.windows.len(), 4);
+    assert_eq!(p.all.count, 4 * 15);
+    assert_eq!(p.second_half.count, 4 * 7);
+    assert!((p.all.mean() - d.all.mean()).abs() < 1e-5);
+    assert!((p.second_half.mean() - d.second_half.mean()).abs() < 1e-5);
+    // Each window starts from an empty cache: identical windows score identically.
+    let rep: Vec<u32> = toks[..16].repeat(4);
+    let opts = PplOptions {
+        n_tokens: 64,
+        window: 16,
+        path: EvalPath::Prefill,
+    };
+    let r = perplexity(
+        &m,
+        &rep,
+        &mut store,
+        &mut Hooks::default(),
+        &opts,
+        |_, _| {},
+    )
+    .unwrap();
+    for w in &r.windows {
+        assert!((w.all.nll - r.windows[0].all.nll).abs() < 1e-9);
+    }
+    // Too few tokens is an error, not a panic.
+    let opts = PplOptions {
+        n_tokens: 128,
+        ..opts
+    };
+    assert!(perplexity(
+        &m,
+        &toks,
+        &mut store,
+        &mut Hooks::default(),
+        &opts,
+        |_, _| {}
+    )
+    .is_err());
+}
+
+#[test]
+fn capture_round_trip() {
+    let m = Model::random(tiny_config(RopeStyle::Adjacent), 2, true);
+    let toks = tokens(12, m.cfg.vocab_size, 8);
+    let c = &m.cfg;
+    let mut rec = Recorder::new(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, &toks);
+    let mut store = DenseStore::for_config(c);
+    {
+        let mut hooks = Hooks {
+            observer: Some(&mut rec),
+            ..Hooks::default()
+        };
+        window_logits(&m, &toks, &mut store, &mut hooks).unwrap();
+    }
+    let cap = rec.capture;
+    assert!(cap.has_k_pre_rope());
+    // The captured post-RoPE keys/values are exactly what the store holds.
+    for l in 0..c.n_layers {
+        let (k, v) = store.layer(l);
+        assert_eq!(cap.layers[l].k, k);
+        assert_eq!(cap.layers[l].v, v);
+        // RoPE at position 0 is the identity.
+        let w = c.kv_width();
+        assert_eq!(cap.layers[l].k[..w], cap.layers[l].k_pre_rope[..w]);
+        assert_ne!(
+            cap.layers[l].k[w..2 * w],
+            cap.layers[l].k_pre_rope[w..2 * w]
+        );
+    }
+    let mut buf = Vec::new();
+    cap.write_to(&mut buf).unwrap();
+    assert_eq!(&buf[..8], b"KVQCAP01");
+    let back = Capture::read_from(&mut buf.as_slice(), usize::MAX).unwrap();
+    assert_eq!(back, cap);
+    for cut in [0, 7, 8, 20, 40, buf.len() / 2, buf.len() - 1] {
+        assert!(Capture::read_from(&mut &buf[..cut], usize::MAX).is_err());
+    }
+    assert!(Capture::read_from(&mut buf.as_slice(), 10).is_err());
+}
+
+// ----------------------------------------------------------------- gguf ----
+
+/// Minimal GGUF v3 writer for tests.
+struct GgufBuilder {
+    kv: Vec<u8>,
+    n_kv: u64,
+    infos: Vec<u8>,
+    data: Vec<u8>,
+    n_tensors: u64,
+    alignment: usize,
+}
+
+impl GgufBuilder {
+    fn new(alignment: usize) -> Self {
+        GgufBuilder {
+            kv: Vec::new(),
+            n_kv: 0,
+            infos: Vec::new(),
+            data: Vec::new(),
+            n_tensors: 0,
+            alignment,
+        }
+    }
+
+    fn string(buf: &mut Vec<u8>, s: &str) {
+        buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        buf.extend_from_slice(s.as_bytes());
+    }
+
+    /// Add a key with a raw encoded value (type id + payload).
+    fn kv_raw(&mut self, key: &str, ty: u32, payload: &[u8]) -> &mut Self {
+        Self::string(&mut self.kv, key);
+        self.kv.extend_from_slice(&ty.to_le_bytes());
+        self.kv.extend_from_slice(payload);
+        self.n_kv += 1;
+        self
+    }
+
+    fn kv_str(&mut self, key: &str, s: &str) -> &mut Self {
+        let mut p = Vec::new();
+        Self::string(&mut p, s);
+        self.kv_raw(key, 8, &p)
+    }
+
+    fn kv_u32(&mut self, key: &str, v: u32) -> &mut Self {
+        self.kv_raw(key, 4, &v.to_le_bytes())
+    }
+
+    fn kv_f32(&mut self, key: &str, v: f32) -> &mut Self {
+        self.kv_raw(key, 6, &v.to_le_bytes())
+    }
+
+    fn kv_str_array(&mut self, key: &str, items: &[&str]) -> &mut Self {
+        let mut p = 8u32.to_le_bytes().to_vec();
+        p.extend_from_slice(&(items.len() as u64).to_le_bytes());
+        for s in items {
+            Self::string(&mut p, s);
+        }
+        self.kv_raw(key, 9, &p)
+    }
+
+    fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, bytes: &[u8]) -> &mut Self {
+        while self.data.len() % self.alignment != 0 {
+            self.data.push(0);
+        }
+        Self::string(&mut self.infos, name);
+        self.infos
+            .extend_from_slice(&(dims.len() as u32).to_le_bytes());
+        for d in dims {
+            self.infos.extend_from_slice(&d.to_le_bytes());
+        }
+        self.infos.extend_from_slice(&ty.to_le_bytes());
+        self.infos
+            .extend_from_slice(&(self.data.len() as u64).to_le_bytes());
+        self.data.extend_from_slice(bytes);
+        self.n_tensors += 1;
+        self
+    }
+
+    fn f32_tensor(&mut self, name: &str, dims: &[u64], vals: &[f32]) -> &mut Self {
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.tensor(name, dims, 0, &bytes)
+    }
+
+    fn build(&self) -> Vec<u8> {
+        let mut out = b"GGUF".to_vec();
+        out.extend_from_slice(&3u32.to_le_bytes());
+        out.extend_from_slice(&self.n_tensors.to_le_bytes());
+        out.extend_from_slice(&self.n_kv.to_le_bytes());
+        out.extend_from_slice(&self.kv);
+        out.extend_from_slice(&self.infos);
+        while out.len() % self.alignment != 0 {
+            out.push(0);
+        }
+        out.extend_from_slice(&self.data);
+        out
+    }
+}
+
+fn f16_bytes(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_le_bytes()
+}
+
+/// A file with metadata of every type and one tensor of each supported
+/// quantization, plus the expected dequantized values.
+fn sample_gguf() -> (Vec<u8>, Vec<(&'static str, Vec<f32>)>) {
+    let mut b = GgufBuilder::new(64);
+    b.kv_u32("general.alignment", 64)
+        .kv_raw("t.u8", 0, &[200])
+        .kv_raw("t.i8", 1, &(-5i8).to_le_bytes())
+        .kv_raw("t.u16", 2, &60000u16.to_le_bytes())
+        .kv_raw("t.i16", 3, &(-30000i16).to_le_bytes())
+        .kv_raw("t.i32", 5, &(-7i32).to_le_bytes())
+        .kv_f32("t.f32", 1.5)
+        .kv_raw("t.bool", 7, &[1])
+        .kv_str("t.str", "héllo")
+        .kv_raw("t.u64", 10, &(1u64 << 40).to_le_bytes())
+        .kv_raw("t.i64", 11, &(-1i64 << 40).to_le_bytes())
+        .kv_raw("t.f64", 12, &0.25f64.to_le_bytes())
+        .kv_str_array("t.strs", &["a", "bc", ""]);
+    // Array of u32, and an array of arrays of i16.
+    let mut p = 4u32.to_le_bytes().to_vec();
+    p.extend_from_slice(&3u64.to_le_bytes());
+    for v in [1u32, 2, 3] {
+        p.extend_from_slice(&v.to_le_bytes());
+    }
+    b.kv_raw("t.u32s", 9, &p);
+    let mut p = 9u32.to_le_bytes().to_vec();
+    p.extend_from_slice(&2u64.to_le_bytes());
+    for row in [[1i16, -1], [7, 8]] {
+        p.extend_from_slice(&3u32.to_le_bytes());
+        p.extend_from_slice(&2u64.to_le_bytes());
+        for v in row {
+            p.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    b.kv_raw("t.nested", 9, &p);
+
+    let mut expected = Vec::new();
+    // F32 [3, 2]
+    let f: Vec<f32> = vec![1.0, -2.0, 3.5, 0.0, 1e-3, -7.25];
+    b.f32_tensor("f32", &[3, 2], &f);
+    expected.push(("f32", f));
+    // F16 [4]
+    let h = [0.5f32, -1.0, 2.0, 65504.0];
+    let bytes: Vec<u8> = h.iter().flat_map(|&v| f16_bytes(v)).collect();
+    b.tensor("f16", &[4], 1, &bytes);
+    expected.push(("f16", h.to_vec()));
+    // Q8_0 [32, 2]: two blocks, d = 0.5 and 0.125, q = i - 16 and 3*i - 50.
+    let mut bytes = Vec::new();
+    let mut want = Vec::new();
+    for (d, q) in [
+        (0.5f32, (0..32).map(|i| i - 16).collect::<Vec<i32>>()),
+        (0.125, (0..32).map(|i| 3 * i - 50).collect()),
+    ] {
+        bytes.extend_from_slice(&f16_bytes(d));
+        bytes.extend(q.iter().map(|&v| v as i8 as u8));
+        want.extend(q.iter().map(|&v| v as f32 * d));
+    }
+    b.tensor("q8_0", &[32, 2], 8, &bytes);
+    expected.push(("q8_0", want));
+    // Q4_1 [32]: d = 0.25, m = -1; nibble j (low) = j % 16, high = 15 - j % 16.
+    let mut bytes = f16_bytes(0.25).to_vec();
+    bytes.extend_from_slice(&f16_bytes(-1.0));
+    let mut want = vec![0.0; 32];
+    for j in 0..16u8 {
+        let (lo, hi) = (j, 15 - j);
+        bytes.push(lo | (hi << 4));
+        want[j as usize] = lo as f32 * 0.25 - 1.0;
+        want[j as usize + 16] = hi as f32 * 0.25 - 1.0;
+    }
+    b.tensor("q4_1", &[32], 3, &bytes);
+    expected.push(("q4_1", want));
+    (b.build(), expected)
+}
+
+#[test]
+fn gguf_reads_back_metadata_and_tensors() {
+    let (bytes, expected) = sample_gguf();
+    let g = Gguf::parse(bytes).unwrap();
+    assert_eq!(g.version, 3);
+    assert_eq!(g.alignment, 64);
+    assert_eq!(g.data_offset % 64, 0);
+    assert_eq!(g.get("t.u8"), Some(&Value::U8(200)));
+    assert_eq!(g.get("t.i8"), Some(&Value::I8(-5)));
+    assert_eq!(g.get("t.u16"), Some(&Value::U16(60000)));
+    assert_eq!(g.get("t.i16"), Some(&Value::I16(-30000)));
+    assert_eq!(g.get("t.i32"), Some(&Value::I32(-7)));
+    assert_eq!(g.get("t.f32"), Some(&Value::F32(1.5)));
+    assert_eq!(g.get("t.bool"), Some(&Value::Bool(true)));
+    assert_eq!(g.get_str("t.str").unwrap(), "héllo");
+    assert_eq!(g.get_usize("t.u64").unwrap(), 1 << 40);
+    assert_eq!(g.get("t.i64"), Some(&Value::I64(-1 << 40)));
+    assert_eq!(g.get_f64("t.f64").unwrap(), 0.25);
+    assert_eq!(g.get_str_array("t.strs").unwrap(), vec!["a", "bc", ""]);
+    let u32s: Vec<u64> = g
+        .get("t.u32s")
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(u32s, vec![1, 2, 3]);
+    let nested = g.get("t.nested").unwrap().as_array().unwrap();
+    assert_eq!(
+        nested[1],
+        Value::Array(
+            common::gguf::ValueType::I16,
+            vec![Value::I16(7), Value::I16(8)]
+        )
+    );
+    assert!(g.get_usize("t.i8").is_err());
+    assert!(g.get_str("missing").is_err());
+
+    assert_eq!(g.tensors.len(), expected.len());
+    assert_eq!(g.tensor("q8_0").unwrap().ty, GgmlType::Q8_0);
+    assert_eq!(g.tensor("f32").unwrap().rows_cols(), (2, 3));
+    for (name, want) in expected {
+        let (_, got) = g.dequantize(name).unwrap();
+        assert_eq!(got, want, "tensor {name}");
+    }
+    assert!(g.dequantize("nope").is_err());
+}
+
+#[test]
+fn gguf_truncations_and_corruptions_are_errors_not_panics() {
+    let (bytes, _) = sample_gguf();
+    // Every proper prefix is an error (the last tensor ends the file).
+    for cut in 0..bytes.len() {
+        assert!(
+            Gguf::parse(bytes[..cut].to_vec()).is_err(),
+            "prefix of {cut} bytes parsed"
+        );
+    }
+    // Targeted corruptions that must be rejected.
+    let corrupt = |pos: usize, val: &[u8]| {
+        let mut b = bytes.clone();
+        b[pos..pos + val.len()].copy_from_slice(val);
+        Gguf::parse(b)
+    };
+    assert!(corrupt(0, b"GGUG").is_err(), "bad magic");
+    assert!(corrupt(4, &1u32.to_le_bytes()).is_err(), "version 1");
+    assert!(corrupt(4, &99u32.to_le_bytes()).is_err(), "version 99");
+    assert!(
+        corrupt(8, &u64::MAX.to_le_bytes()).is_err(),
+        "absurd tensor count"
+    );
+    assert!(
+        corrupt(16, &(1u64 << 60).to_le_bytes()).is_err(),
+        "absurd kv count"
+    );
+    assert!(
+        corrupt(24, &u64::MAX.to_le_bytes()).is_err(),
+        "absurd key length"
+    );
+    // First kv is general.alignment: its type id follows the 8+17-byte key.
+    assert!(
+        corrupt(24 + 8 + 17, &77u32.to_le_bytes()).is_err(),
+        "unknown value type"
+    );
+    assert!(
+        corrupt(24 + 8 + 17 + 4, &48u32.to_le_bytes()).is_err(),
+        "alignment not a power of two"
+    );
+    // Tensor infos: find the last tensor's type and offset fields by name.
+    let at = bytes.windows(4).rposition(|w| w == b"q4_1").unwrap() + 4;
+    // n_dims at `at`, then one dim, then type, then offset.
+    assert!(corrupt(at, &9u32.to_le_bytes()).is_err(), "too many dims");
+    assert!(
+        corrupt(at + 12, &4u32.to_le_bytes()).is_err(),
+        "unknown ggml type 4"
+    );
+    assert!(
+        corrupt(at + 12, &1000u32.to_le_bytes()).is_err(),
+        "unknown ggml type 1000"
+    );
+    assert!(
+        corrupt(at + 4, &33u64.to_le_bytes()).is_err(),
+        "row not a multiple of the block"
+    );
+    assert!(
+        corrupt(at + 4, &(1u64 << 62).to_le_bytes()).is_err(),
+        "tensor past the end"
+    );
+    assert!(
+        corrupt(at + 16, &(1u64 << 20).to_le_bytes()).is_err(),
+        "offset past the end"
+    );
+    assert!(
+        corrupt(at + 16, &u64::MAX.to_le_bytes()).is_err(),
+        "offset overflow"
+    );
+    assert!(
+        corrupt(at + 16, &1u64.to_le_bytes()).is_err(),
+        "misaligned offset"
+    );
+    // Any single-byte corruption anywhere must not panic (result may be Ok).
+    for pos in 0..bytes.len() {
+        for val in [0x00u8, 0x7f, 0xff] {
+            let mut b = bytes.clone();
+            b[pos] = val;
+            if let Ok(g) = Gguf::parse(b) {
+                for t in g.tensors.clone() {
+                    let _ = g.dequantize(&t.name);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gguf_deeply_nested_arrays_are_rejected() {
+    let mut b = GgufBuilder::new(32);
+    let mut p = Vec::new();
+    for _ in 0..64 {
+        p.extend_from_slice(&9u32.to_le_bytes());
+        p.extend_from_slice(&1u64.to_le_bytes());
+    }
+    p.extend_from_slice(&4u32.to_le_bytes());
+    p.extend_from_slice(&0u64.to_le_bytes());
+    b.kv_raw("deep", 9, &p);
+    assert!(Gguf::parse(b.build()).is_err());
+}
+
+/// A tiny llama-architecture GGUF with F32 weights loads into the same model.
+#[test]
+fn model_loads_from_gguf_metadata_and_tensors() {
+    let cfg = tiny_config(RopeStyle::Adjacent);
+    let m = Model::random(cfg.clone(), 13, false);
+    let mut b = GgufBuilder::new(32);
+    b.kv_str("general.architecture", "llama")
+        .kv_u32("llama.block_count", cfg.n_layers as u32)
+        .kv_u32("llama.embedding_length", cfg.d_model as u32)
+        .kv_u32("llama.feed_forward_length", cfg.ffn_dim as u32)
+        .kv_u32("llama.attention.head_count", cfg.n_heads as u32)
+        .kv_u32("llama.attention.head_count_kv", cfg.n_kv_heads as u32)
+        .kv_f32("llama.rope.freq_base", cfg.rope_base as f32)
+        .kv_f32("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps)
+        .kv_u32("llama.context_length", cfg.ctx_len as u32)
+        .kv_u32("llama.vocab_size", cfg.vocab_size as u32);
+    let mat = |b: &mut GgufBuilder, name: &str, a: &ndarray::Array2<f32>| {
+        let (r, c) = a.dim();
+        b.f32_tensor(name, &[c as u64, r as u64], a.as_slice().unwrap());
+    };
+    mat(&mut b, "token_embd.weight", &m.tok_embd);
+    for (l, w) in m.layers.iter().enumerate() {
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        b.f32_tensor(&n("attn_norm"), &[cfg.d_model as u64], &w.attn_norm);
+        mat(&mut b, &n("attn_q"), &w.wq);
+        mat(&mut b, &n("attn_k"), &w.wk);
+        mat(&mut b, &n("attn_v"), &w.wv);
+        mat(&mut b, &n("attn_output"), &w.wo);
+        b.f32_tensor(&n("ffn_norm"), &[cfg.d_model as u64], &w.ffn_norm);
+        mat(&mut b, &n("ffn_gate"), &w.w_gate);
+        mat(&mut b, &n("ffn_up"), &w.w_up);
+        mat(&mut b, &n("ffn_down"), &w.w_down);
+    }
+    b.f32_tensor("output_norm.weight", &[cfg.d_model as u64], &m.out_norm);
+    let g = Gguf::parse(b.build()).unwrap();
+    let loaded = Model::from_gguf(&g).unwrap();
+    assert_eq!(loaded.cfg, cfg);
+    let toks = tokens(10, cfg.vocab_size, 1);
+    assert_eq!(
+        prefill_logits(&loaded, &toks, &mut Hooks::default()),
+        prefill_logits(&m, &toks, &mut Hooks::default())
+    );
+}
+
+// ------------------------------------------------------------ tokenizer ----
+
+/// GPT-2 byte alphabet (the reversible bytes -> printable chars map).
+fn byte_alphabet() -> Vec<String> {
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    let mut n = 0;
+    (0..256u32)
+        .map(|b| {
+            let cp = if printable(b) {
+                b
+            } else {
+                n += 1;
+                255 + n
+            };
+            char::from_u32(cp).unwrap().to_string()
+        })
+        .collect()
+}
+
+fn tiny_tokenizer() -> Tokenizer {
+    let mut vocab = vec!["<|endoftext|>".to_string()];
+    vocab.extend(byte_alphabet());
+    let merges = [
+        "Ġ t",
+        "h e",
+        "Ġt he",
+        "Ġ a",
+        "l l",
+        "e ll",
+        "h ell",
+        "hell o",
+        "Ġ Ġ",
+        "ĠĠ ĠĠ",
+    ];
+    for m in merges {
+        vocab.push(m.replace(' ', ""));
+    }
+    Tokenizer::new(vocab, merges).unwrap()
+}
+
+#[test]
+fn tokenizer_merges_by_rank_and_splits_digits() {
+    let t = tiny_tokenizer();
+    let id = |s: &str| t.token_id(s).unwrap();
+    // "h e" outranks "l l", and once "he" exists "e ll" can no longer apply.
+    assert_eq!(
+        t.encode("hello the").unwrap(),
+        vec![id("he"), id("ll"), id("o"), id("Ġthe")]
+    );
+    assert_eq!(t.encode("ello").unwrap(), vec![id("ell"), id("o")]);
+    // Digits are isolated: "12" is two pre-tokens; " 3" gives a lone space.
+    assert_eq!(
+        t.pre_tokenize("a12 3x").unwrap(),
+        vec!["a", "1", "2", " ", "3", "x"]
+    );
+    // Whitespace run before a word leaves its last space to the word.
+    assert_eq!(t.pre_tokenize("a   b").unwrap(), vec!["a", "  ", " b"]);
+    assert_eq!(t.pre_tokenize("it's").unwrap(), vec!["it", "'s"]);
+    assert_eq!(
+        t.encode("     ").unwrap(),
+        vec![id("ĠĠĠĠ"), id("Ġ")],
+        "five spaces: best-ranked merges first, leftmost first"
+    );
+}
+
+#[test]
+fn tokenizer_round_trips_exactly() {
+    let t = tiny_tokenizer();
+    for text in [
+        "",
+        "hello the world",
+        "  leading and trailing  \n\n\t",
+        "digits 1234567890 and ½ ² ٣",
+        "unicode: héllo wörld — ☃ 日本語 🎉",
+        "def f(x):\n    return x**2  # comment\n",
+        "it's we're they've I'm you'll he'd",
+    ] {
+        let ids = t.encode(text).unwrap();
+        assert_eq!(t.decode(&ids).unwrap(), text);
+    }
+    assert!(t.decode(&[100_000]).is_err());
+}
+
+#[test]
+fn tokenizer_rejects_bytes_missing_from_vocab() {
+    // A vocabulary without the token for byte 0x04 cannot encode "\x04".
+    let mut vocab = byte_alphabet();
+    vocab[4] = "<unused>".into();
+    let t = Tokenizer::new(vocab, Vec::<String>::new()).unwrap();
+    assert!(t.encode("a\u{4}b").is_err());
+    assert_eq!(t.decode(&t.encode("ab").unwrap()).unwrap(), "ab");
+}
