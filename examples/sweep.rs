@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release --example sweep -- [--full] [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
-//!     [--out results] [--no-fetch] [--only SUBSTRING]
+//!     [--out results] [--no-fetch] [--only SUBSTR,SUBSTR]
 //! ```
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
@@ -30,7 +30,8 @@ use std::time::Instant;
 
 use common::gguf::Gguf;
 use common::kvq_store::{CacheSpec, KvqStore};
-use common::model::{Hooks, LayerActivations, Model, Observer};
+use common::capture::{Capture, Recorder};
+use common::model::{Hooks, Model};
 use common::ppl::{perplexity, EvalPath, PplOptions};
 use common::tokenizer::Tokenizer;
 use kvq::{Axis, Group, QuantScheme};
@@ -47,7 +48,7 @@ struct Args {
 }
 
 const USAGE: &str = "usage: sweep [--full] [--tokens N] [--window N] [--domains austen,code] \
-[--path prefill|decode] [--residual R] [--sinks S] [--out DIR] [--no-fetch] [--only SUBSTRING]";
+[--path prefill|decode] [--residual R] [--sinks S] [--out DIR] [--no-fetch] [--only SUBSTR,SUBSTR]";
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
@@ -182,24 +183,6 @@ fn effective_bits(spec: &CacheSpec, n_kv: usize, hd: usize) -> f64 {
     (eb(spec.keys) + eb(spec.values)) / 2.0
 }
 
-/// Captures the full-precision Q/K/V of one window (post-RoPE, as stored).
-#[derive(Default)]
-struct Capture {
-    layers: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
-}
-
-impl Observer for Capture {
-    fn layer(&mut self, layer: usize, act: &LayerActivations<'_>) {
-        if self.layers.len() <= layer {
-            self.layers.resize(layer + 1, Default::default());
-        }
-        let l = &mut self.layers[layer];
-        l.0.extend_from_slice(act.q);
-        l.1.extend_from_slice(act.k);
-        l.2.extend_from_slice(act.v);
-    }
-}
-
 struct Row {
     domain: String,
     config: String,
@@ -297,7 +280,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut configs = grid(args.full, args.residual, args.sinks);
     if let Some(only) = &args.only {
         // Keep the baseline: Δppl needs it.
-        configs.retain(|c| c.spec.keys.is_none() && c.spec.values.is_none() || c.name.contains(only.as_str()));
+        configs.retain(|c| {
+            c.spec.keys.is_none() && c.spec.values.is_none()
+                || only.split(',').any(|o| c.name.contains(o))
+        });
     }
     eprintln!(
         "SmolLM2-135M: {n_layers} layers, {n_q}/{n_kv} heads, head_dim {hd}; loaded in {:.1}s; \
@@ -320,21 +306,17 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     for domain in &args.domains {
         let tokens = corpus_tokens(&tok, domain, args.opts.n_tokens)?;
         // Full-precision Q/K/V of the first window, for the attention KL.
-        let mut cap = Capture::default();
+        let first = &tokens[..args.opts.window];
+        let mut rec = Recorder::new(n_layers, n_q, n_kv, hd, first);
         {
             let mut store = KvqStore::new(n_layers, n_kv, hd, CacheSpec::FULL)?;
             let mut hooks = Hooks {
-                observer: Some(&mut cap),
+                observer: Some(&mut rec),
                 ..Hooks::default()
             };
-            common::ppl::window_nll(
-                &model,
-                &tokens[..args.opts.window],
-                &mut store,
-                &mut hooks,
-                EvalPath::Prefill,
-            )?;
+            common::ppl::window_nll(&model, first, &mut store, &mut hooks, EvalPath::Prefill)?;
         }
+        let cap = rec.capture;
         let mut base: Option<(f64, f64)> = None;
         for c in &configs {
             let mut store = KvqStore::new(n_layers, n_kv, hd, c.spec)?;
@@ -404,9 +386,9 @@ fn attention_kl(
         }
     };
     let mut total = 0.0;
-    for (q, k, v) in &cap.layers {
-        let (kh, vh) = (hat(k, spec.keys)?, hat(v, spec.values)?);
-        total += layer_errors(shape, q.as_slice(), k, v, &kh, &vh, &cfg)?
+    for l in &cap.layers {
+        let (kh, vh) = (hat(&l.k, spec.keys)?, hat(&l.v, spec.values)?);
+        total += layer_errors(shape, l.q.as_slice(), &l.k, &l.v, &kh, &vh, &cfg)?
             .summary
             .mean
             .kl;

@@ -488,6 +488,11 @@ pub struct Plan {
 
 impl Plan {
     /// The best pair within budget.
+    ///
+    /// # Panics
+    /// If `ranked` is empty (never for a plan returned by [`Planner::plan`],
+    /// which is an error instead).
+    #[track_caller]
     pub fn best(&self) -> &Candidate {
         &self.ranked[0]
     }
