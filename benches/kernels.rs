@@ -58,11 +58,17 @@ fn scheme(bits: u8, axis: Axis) -> QuantScheme {
 }
 
 fn quantize(bits: u8, axis: Axis, n_kv: usize, hd: usize, x: &[f32], tokens: usize) -> PackedBlock {
-    UniformQuantizer::new(scheme(bits, axis), n_kv, hd).unwrap().quantize(x, tokens).unwrap()
+    UniformQuantizer::new(scheme(bits, axis), n_kv, hd)
+        .unwrap()
+        .quantize(x, tokens)
+        .unwrap()
 }
 
 fn label(bits: u8, axis: Axis) -> String {
-    format!("{bits}b-{}32", if axis == Axis::PerChannel { "pc" } else { "pt" })
+    format!(
+        "{bits}b-{}32",
+        if axis == Axis::PerChannel { "pc" } else { "pt" }
+    )
 }
 
 /// The SIMD backends everywhere; portable only at head_dim 128 unless full.
@@ -87,25 +93,40 @@ fn single_head(c: &mut Criterion) {
                     let x = OnceCell::new();
                     let x = || x.get_or_init(|| data(ctx * hd, 1));
                     let x16 = OnceCell::new();
-                    let x16 = || x16.get_or_init(|| x().iter().map(|&v| f16::from_f32(v)).collect::<Vec<f16>>());
+                    let x16 = || {
+                        x16.get_or_init(|| {
+                            x().iter().map(|&v| f16::from_f32(v)).collect::<Vec<f16>>()
+                        })
+                    };
                     let q = data(nq * hd, 2);
-                    let p: Vec<f32> = data(nq * ctx, 3).iter().map(|v| v.abs() / ctx as f32).collect();
+                    let p: Vec<f32> = data(nq * ctx, 3)
+                        .iter()
+                        .map(|v| v.abs() / ctx as f32)
+                        .collect();
                     let mut out = vec![0f32; nq * ctx.max(hd)];
                     // Dense baselines.
                     g.throughput(Throughput::Bytes((ctx * hd * 2) as u64));
                     g.bench_function(BenchmarkId::new("dense-f16", ctx), |b| {
                         let k = x16();
                         b.iter(|| match kernel {
-                            "scores" => dense::scores_f16(hd, black_box(k), &q, &mut out[..nq * ctx]).unwrap(),
-                            _ => dense::weighted_sum_f16(hd, black_box(k), &p, &mut out[..nq * hd]).unwrap(),
+                            "scores" => {
+                                dense::scores_f16(hd, black_box(k), &q, &mut out[..nq * ctx])
+                                    .unwrap()
+                            }
+                            _ => dense::weighted_sum_f16(hd, black_box(k), &p, &mut out[..nq * hd])
+                                .unwrap(),
                         })
                     });
                     g.throughput(Throughput::Bytes((ctx * hd * 4) as u64));
                     g.bench_function(BenchmarkId::new("dense-f32", ctx), |b| {
                         let k = x();
                         b.iter(|| match kernel {
-                            "scores" => dense::scores_f32(hd, black_box(k), &q, &mut out[..nq * ctx]).unwrap(),
-                            _ => dense::weighted_sum_f32(hd, black_box(k), &p, &mut out[..nq * hd]).unwrap(),
+                            "scores" => {
+                                dense::scores_f32(hd, black_box(k), &q, &mut out[..nq * ctx])
+                                    .unwrap()
+                            }
+                            _ => dense::weighted_sum_f32(hd, black_box(k), &p, &mut out[..nq * hd])
+                                .unwrap(),
                         })
                     });
                     let axes: &[Axis] = if kernel == "scores" {
@@ -119,12 +140,29 @@ fn single_head(c: &mut Criterion) {
                             let layout = scheme(bits, axis).layout(1, hd).unwrap();
                             g.throughput(Throughput::Bytes(layout.bytes(ctx) as u64));
                             for be in backends(hd) {
-                                let id = BenchmarkId::new(format!("{} {}", be.name(), label(bits, axis)), ctx);
+                                let id = BenchmarkId::new(
+                                    format!("{} {}", be.name(), label(bits, axis)),
+                                    ctx,
+                                );
                                 g.bench_function(id, |b| {
-                                    let head = block.get_or_init(|| quantize(bits, axis, 1, hd, x(), ctx)).head(0);
+                                    let head = block
+                                        .get_or_init(|| quantize(bits, axis, 1, hd, x(), ctx))
+                                        .head(0);
                                     b.iter(|| match kernel {
-                                        "scores" => kernels::scores_on(be, black_box(&head), &q, &mut out[..nq * ctx]).unwrap(),
-                                        _ => kernels::weighted_sum_on(be, black_box(&head), &p, &mut out[..nq * hd]).unwrap(),
+                                        "scores" => kernels::scores_on(
+                                            be,
+                                            black_box(&head),
+                                            &q,
+                                            &mut out[..nq * ctx],
+                                        )
+                                        .unwrap(),
+                                        _ => kernels::weighted_sum_on(
+                                            be,
+                                            black_box(&head),
+                                            &p,
+                                            &mut out[..nq * hd],
+                                        )
+                                        .unwrap(),
                                     })
                                 });
                             }
@@ -167,7 +205,7 @@ impl Layer {
             Layer::F32 { k, .. } => dense::scores_f32_on(be, hd, &k[h], q, s).unwrap(),
         }
         for row in s.chunks_mut(ctx) {
-            softmax(row);
+            kernels::softmax_on(be, row);
         }
         out.fill(0.0);
         match self {
@@ -178,26 +216,17 @@ impl Layer {
     }
 }
 
-/// Scaled, stable softmax (the same for every case, so it is part of the
-/// comparison but not of the difference).
-fn softmax(x: &mut [f32]) {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - m).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    x.iter_mut().for_each(|v| *v *= inv);
-}
-
 /// One decode step over all heads, heads split across `THREADS` threads.
 fn attend(layer: &Layer, be: Backend, hd: usize, ctx: usize, q: &[f32], out: &mut [f32]) {
     let per = q.len() / N_KV; // nq·hd per KV head
     let nq = per / hd;
     std::thread::scope(|sc| {
         let heads_per = N_KV / THREADS;
-        for (ti, (qc, oc)) in q.chunks(per * heads_per).zip(out.chunks_mut(per * heads_per)).enumerate() {
+        for (ti, (qc, oc)) in q
+            .chunks(per * heads_per)
+            .zip(out.chunks_mut(per * heads_per))
+            .enumerate()
+        {
             sc.spawn(move || {
                 let mut s = vec![0f32; nq * ctx];
                 for (k, (qh, oh)) in qc.chunks(per).zip(oc.chunks_mut(per)).enumerate() {
@@ -215,9 +244,19 @@ fn bytes_of(name: &str, ctx: usize, hd: usize) -> usize {
         "dense-f16" => elems * 2,
         "dense-f32" => elems * 4,
         _ => {
-            let bits: u8 = name.split(' ').nth(1).and_then(|b| b[..1].parse().ok()).unwrap();
-            let k = scheme(bits, Axis::PerChannel).layout(N_KV, hd).unwrap().bytes(ctx);
-            let v = scheme(bits, Axis::PerToken).layout(N_KV, hd).unwrap().bytes(ctx);
+            let bits: u8 = name
+                .split(' ')
+                .nth(1)
+                .and_then(|b| b[..1].parse().ok())
+                .unwrap();
+            let k = scheme(bits, Axis::PerChannel)
+                .layout(N_KV, hd)
+                .unwrap()
+                .bytes(ctx);
+            let v = scheme(bits, Axis::PerToken)
+                .layout(N_KV, hd)
+                .unwrap()
+                .bytes(ctx);
             k + v
         }
     }
@@ -245,18 +284,40 @@ fn attend_group(c: &mut Criterion) {
             // Head-major dense copies for the baselines.
             let split = |x: &[f32]| -> Vec<Vec<f32>> {
                 (0..N_KV)
-                    .map(|h| (0..ctx).flat_map(|t| x[(t * N_KV + h) * hd..(t * N_KV + h + 1) * hd].iter().copied()).collect())
+                    .map(|h| {
+                        (0..ctx)
+                            .flat_map(|t| {
+                                x[(t * N_KV + h) * hd..(t * N_KV + h + 1) * hd]
+                                    .iter()
+                                    .copied()
+                            })
+                            .collect()
+                    })
                     .collect()
             };
             let mut cases: Vec<(String, Box<dyn Fn() -> Layer>)> = vec![
                 (
                     "dense-f16".into(),
                     Box::new(|| {
-                        let h = |x: &[f32]| split(x).into_iter().map(|r| r.iter().map(|&v| f16::from_f32(v)).collect()).collect();
-                        Layer::F16 { k: h(&kx), v: h(&vx) }
+                        let h = |x: &[f32]| {
+                            split(x)
+                                .into_iter()
+                                .map(|r| r.iter().map(|&v| f16::from_f32(v)).collect())
+                                .collect()
+                        };
+                        Layer::F16 {
+                            k: h(&kx),
+                            v: h(&vx),
+                        }
                     }),
                 ),
-                ("dense-f32".into(), Box::new(|| Layer::F32 { k: split(&kx), v: split(&vx) })),
+                (
+                    "dense-f32".into(),
+                    Box::new(|| Layer::F32 {
+                        k: split(&kx),
+                        v: split(&vx),
+                    }),
+                ),
             ];
             for bits in [2u8, 3, 4, 8] {
                 let (kx, vx) = (&kx, &vx);

@@ -10,7 +10,10 @@
 
 use half::{bf16, f16};
 use kvq::kernels::{self, dense, reference};
-use kvq::{Axis, Backend, Group, KvQuantizer, Layout, Mode, PackedHead, QuantScheme, ScaleFormat, UniformQuantizer};
+use kvq::{
+    Axis, Backend, Group, KvQuantizer, Layout, Mode, PackedHead, QuantScheme, ScaleFormat,
+    UniformQuantizer,
+};
 
 /// Relative tolerance against the summed magnitudes.
 const TOL: f64 = 1e-5;
@@ -42,7 +45,10 @@ fn backends() -> Vec<Backend> {
         if b.is_available() {
             v.push(b);
         } else {
-            println!("skipping backend {}: this CPU does not support it", b.name());
+            println!(
+                "skipping backend {}: this CPU does not support it",
+                b.name()
+            );
         }
     }
     assert!(v.contains(&Backend::Portable));
@@ -73,7 +79,11 @@ fn term_bounds(head: &PackedHead<'_>) -> Vec<f64> {
     };
     let set_bytes = set_len * s.param_bytes();
     for tt in 0..t {
-        kvq::pack::unpack(&head.codes()[tt * l.row_bytes()..(tt + 1) * l.row_bytes()], s.bits(), &mut codes);
+        kvq::pack::unpack(
+            &head.codes()[tt * l.row_bytes()..(tt + 1) * l.row_bytes()],
+            s.bits(),
+            &mut codes,
+        );
         for c in 0..hd {
             let (k, g) = match s.axis() {
                 Axis::PerToken => (tt, c / l.channels_per_group()),
@@ -108,7 +118,9 @@ fn check_head(head: &PackedHead<'_>, rng: &mut Rng, nq: usize, what: &str) {
         kernels::scores_on(b, head, &q, &mut got).unwrap();
         for i in 0..nq {
             for tt in 0..t {
-                let mag: f64 = (0..hd).map(|c| (q[i * hd + c].abs() as f64) * bound[tt * hd + c]).sum();
+                let mag: f64 = (0..hd)
+                    .map(|c| (q[i * hd + c].abs() as f64) * bound[tt * hd + c])
+                    .sum();
                 let (g, w) = (got[i * t + tt] as f64, want[i * t + tt] as f64);
                 assert!(
                     (g - w).abs() <= TOL * mag + 1e-38,
@@ -122,7 +134,9 @@ fn check_head(head: &PackedHead<'_>, rng: &mut Rng, nq: usize, what: &str) {
         for i in 0..nq {
             for c in 0..hd {
                 let mag = out0[i * hd + c].abs() as f64
-                    + (0..t).map(|tt| p[i * t + tt].abs() as f64 * bound[tt * hd + c]).sum::<f64>();
+                    + (0..t)
+                        .map(|tt| p[i * t + tt].abs() as f64 * bound[tt * hd + c])
+                        .sum::<f64>();
                 let (g, w) = (got[i * hd + c] as f64, want_ws[i * hd + c] as f64);
                 assert!(
                     (g - w).abs() <= TOL * mag + 1e-38,
@@ -184,13 +198,18 @@ fn groups(axis: Axis, hd: usize) -> Vec<Group> {
         Axis::PerToken => {
             let mut g: Vec<Group> = [8, 16, 32, 64, 128]
                 .iter()
-                .filter(|&&n| hd % n == 0)
+                .filter(|&&n| hd.is_multiple_of(n))
                 .map(|&n| Group::Size(n))
                 .collect();
             g.extend([Group::Head, Group::Vector]);
             g
         }
-        Axis::PerChannel => vec![Group::Size(8), Group::Size(24), Group::Size(32), Group::Size(128)],
+        Axis::PerChannel => vec![
+            Group::Size(8),
+            Group::Size(24),
+            Group::Size(32),
+            Group::Size(128),
+        ],
     }
 }
 
@@ -261,9 +280,19 @@ fn odd_head_dims_and_all_groups() {
 fn long_context() {
     let mut rng = Rng(7);
     for bits in [2, 3, 4, 8] {
-        for (axis, group) in [(Axis::PerToken, Group::Size(32)), (Axis::PerChannel, Group::Size(32))] {
+        for (axis, group) in [
+            (Axis::PerToken, Group::Size(32)),
+            (Axis::PerChannel, Group::Size(32)),
+        ] {
             let s = scheme(bits, axis, group, Mode::Asymmetric, ScaleFormat::F16).unwrap();
-            run_case(&mut rng, s, 128, 1023, if bits == 4 { 4 } else { 1 }, Data::Uniform);
+            run_case(
+                &mut rng,
+                s,
+                128,
+                1023,
+                if bits == 4 { 4 } else { 1 },
+                Data::Uniform,
+            );
         }
     }
 }
@@ -286,7 +315,11 @@ fn awkward_values() {
         for bits in [1, 2, 3, 4, 5, 8] {
             for axis in [Axis::PerToken, Axis::PerChannel] {
                 for hd in [64, 128] {
-                    let group = if axis == Axis::PerToken { Group::Size(32) } else { Group::Size(16) };
+                    let group = if axis == Axis::PerToken {
+                        Group::Size(32)
+                    } else {
+                        Group::Size(16)
+                    };
                     let mode = rng.pick(&MODES);
                     if let Some(s) = scheme(bits, axis, group, mode, fmt) {
                         let (tokens, nq) = (rng.pick(&[7, 33]), 1 + rng.below(3));
@@ -310,10 +343,14 @@ fn random_bytes() {
         let group = rng.pick(&groups(axis, hd));
         let mode = rng.pick(&MODES);
         let fmt = rng.pick(&FORMATS);
-        let Some(s) = scheme(bits, axis, group, mode, fmt) else { continue };
+        let Some(s) = scheme(bits, axis, group, mode, fmt) else {
+            continue;
+        };
         let l: Layout = s.layout(1, hd).unwrap();
         let tokens = rng.pick(&[1, 7, 31, 33, 64]);
-        let codes: Vec<u8> = (0..l.head_code_bytes(tokens)).map(|_| rng.next() as u8).collect();
+        let codes: Vec<u8> = (0..l.head_code_bytes(tokens))
+            .map(|_| rng.next() as u8)
+            .collect();
         let n = l.param_bytes(tokens) / s.scale_format().bytes();
         let mut params = vec![0u8; l.param_bytes(tokens)];
         let fb = fmt.bytes();
@@ -328,7 +365,12 @@ fn random_bytes() {
         }
         let head = PackedHead::new(l, tokens, &codes, &params).unwrap();
         let nq = 1 + rng.below(8);
-        check_head(&head, &mut rng, nq, &format!("random {} hd {hd} tokens {tokens}", s.label()));
+        check_head(
+            &head,
+            &mut rng,
+            nq,
+            &format!("random {} hd {hd} tokens {tokens}", s.label()),
+        );
     }
 }
 
@@ -402,10 +444,18 @@ fn dense_baselines() {
                         dense::weighted_sum_f32_on(b, hd, &k32, &p, &mut w).unwrap();
                     }
                     for (g, &(want, m)) in s.iter().zip(&s_want) {
-                        assert!((*g as f64 - want).abs() <= 1e-6 * m + 1e-30, "{} dense scores f16={is16} hd {hd} t {t}: {g} vs {want}", b.name());
+                        assert!(
+                            (*g as f64 - want).abs() <= 1e-6 * m + 1e-30,
+                            "{} dense scores f16={is16} hd {hd} t {t}: {g} vs {want}",
+                            b.name()
+                        );
                     }
                     for (g, &(want, m)) in w.iter().zip(&w_want) {
-                        assert!((*g as f64 - want).abs() <= 1e-6 * m + 1e-30, "{} dense sum f16={is16} hd {hd} t {t}: {g} vs {want}", b.name());
+                        assert!(
+                            (*g as f64 - want).abs() <= 1e-6 * m + 1e-30,
+                            "{} dense sum f16={is16} hd {hd} t {t}: {g} vs {want}",
+                            b.name()
+                        );
                     }
                 }
             }
@@ -426,6 +476,125 @@ fn length_errors() {
         assert!(kernels::weighted_sum_on(b, &head, &[0.0; 9], &mut [0.0; 64]).is_err());
         assert!(dense::scores_f32_on(b, 64, &[0.0; 65], &[0.0; 64], &mut [0.0; 1]).is_err());
         assert!(dense::scores_f32_on(b, 0, &[], &[], &mut []).is_err());
-        assert!(dense::weighted_sum_f16_on(b, 64, &[f16::ZERO; 64], &[0.0; 2], &mut [0.0; 64]).is_err());
+        assert!(
+            dense::weighted_sum_f16_on(b, 64, &[f16::ZERO; 64], &[0.0; 2], &mut [0.0; 64]).is_err()
+        );
+    }
+}
+
+/// Softmax and its unnormalized parts against f64, every backend.
+#[test]
+fn softmax_every_backend() {
+    let mut rng = Rng(5);
+    for n in [0, 1, 2, 7, 15, 16, 17, 31, 100, 1000, 4099] {
+        for spread in [1.0f32, 30.0, 200.0] {
+            let x: Vec<f32> = (0..n).map(|_| rng.f() * spread).collect();
+            let m = x.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+            let e: Vec<f64> = x.iter().map(|&v| (v as f64 - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for b in backends() {
+                let mut p = x.clone();
+                let (pm, ps) = kernels::softmax_parts_on(b, &mut p);
+                if n == 0 {
+                    assert_eq!((pm, ps), (f32::NEG_INFINITY, 0.0));
+                    continue;
+                }
+                assert_eq!(pm as f64, m);
+                assert!(
+                    (ps as f64 - sum).abs() <= 1e-6 * sum,
+                    "{} sum {ps} vs {sum}",
+                    b.name()
+                );
+                // `x − max` is rounded to f32 first: relative error
+                // |x − max|·2^-24 on top of the 2 ulp of `exp`.
+                let tol = |v: f32| 4e-7 + (m - v as f64).abs() * 6e-8;
+                for ((g, w), &v) in p.iter().zip(&e).zip(&x) {
+                    assert!(
+                        (*g as f64 - w).abs() <= tol(v) * w + 1e-37,
+                        "{} n {n}: e {g} vs {w}",
+                        b.name()
+                    );
+                }
+                let mut s = x.clone();
+                kernels::softmax_on(b, &mut s);
+                for ((g, w), &v) in s.iter().zip(&e).zip(&x) {
+                    let w = w / sum;
+                    assert!(
+                        (*g as f64 - w).abs() <= (tol(v) + 1.5e-6) * w + 1e-37,
+                        "{} n {n}: p {g} vs {w}",
+                        b.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The opt-in int8-query scores stay within their documented bound,
+/// `(δ/2)·Σ_c code_tc` with `δ = max_c |q_c·scale_c| / 127` per block, of
+/// the exact scores, on every backend (where the int8 kernel does not run,
+/// they are the exact scores).
+#[test]
+fn int8_scores_error_bound() {
+    let mut rng = Rng(31337);
+    for bits in [1, 2, 3, 4, 5, 8] {
+        for hd in [64, 128, 256] {
+            for fmt in FORMATS {
+                let s = scheme(
+                    bits,
+                    Axis::PerChannel,
+                    Group::Size(32),
+                    Mode::Asymmetric,
+                    fmt,
+                )
+                .unwrap();
+                let tokens = 77;
+                let nq = 1 + rng.below(4);
+                let qz = UniformQuantizer::new(s, 1, hd).unwrap();
+                let x = make(Data::Outliers, &mut rng, tokens, hd);
+                let block = qz.quantize(&x, tokens).unwrap();
+                let head = block.head(0);
+                let l = head.layout();
+                let q: Vec<f32> = (0..nq * hd).map(|_| rng.f()).collect();
+                let mut want = vec![0f32; nq * tokens];
+                reference::scores(&head, &q, &mut want);
+                let bound = term_bounds(&head);
+                let fb = fmt.bytes();
+                let mut codes = vec![0u8; hd];
+                for b in backends() {
+                    let mut got = vec![0f32; nq * tokens];
+                    kernels::scores_i8_on(b, &head, &q, &mut got).unwrap();
+                    for t in 0..tokens {
+                        kvq::pack::unpack(
+                            &head.codes()[t * l.row_bytes()..(t + 1) * l.row_bytes()],
+                            bits,
+                            &mut codes,
+                        );
+                        let set = (t / 32) * 2 * hd * fb;
+                        for i in 0..nq {
+                            let qi = &q[i * hd..(i + 1) * hd];
+                            let delta = (0..hd)
+                                .map(|c| {
+                                    (qi[c] * read(fmt, &head.params()[set + c * fb..])).abs() as f64
+                                })
+                                .fold(0.0, f64::max)
+                                / 127.0;
+                            let sum_codes: f64 = codes.iter().map(|&c| c as f64).sum();
+                            let mag: f64 = (0..hd)
+                                .map(|c| qi[c].abs() as f64 * bound[t * hd + c])
+                                .sum();
+                            let lim = delta / 2.0 * sum_codes * (1.0 + 1e-6) + TOL * mag;
+                            let (g, w) = (got[i * tokens + t] as f64, want[i * tokens + t] as f64);
+                            assert!(
+                                (g - w).abs() <= lim,
+                                "{} {} hd {hd} token {t}: {g} vs {w}, bound {lim}",
+                                b.name(),
+                                s.label()
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -46,7 +46,13 @@ pub fn scores_f32(head_dim: usize, keys: &[f32], q: &[f32], out: &mut [f32]) -> 
 ///
 /// # Errors
 /// As [`scores_f32`].
-pub fn scores_f32_on(backend: Backend, head_dim: usize, keys: &[f32], q: &[f32], out: &mut [f32]) -> Result<()> {
+pub fn scores_f32_on(
+    backend: Backend,
+    head_dim: usize,
+    keys: &[f32],
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
     scores_impl(backend, head_dim, keys, q, out)
 }
 
@@ -62,7 +68,13 @@ pub fn scores_f16(head_dim: usize, keys: &[f16], q: &[f32], out: &mut [f32]) -> 
 ///
 /// # Errors
 /// As [`scores_f32`].
-pub fn scores_f16_on(backend: Backend, head_dim: usize, keys: &[f16], q: &[f32], out: &mut [f32]) -> Result<()> {
+pub fn scores_f16_on(
+    backend: Backend,
+    head_dim: usize,
+    keys: &[f16],
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
     scores_impl(backend, head_dim, keys, q, out)
 }
 
@@ -133,14 +145,20 @@ impl Elem for f16 {
 
 /// Check `[tokens, hd]` data and `[n_q, hd]` vectors; returns
 /// `(tokens, n_q)`.
-fn shape(op: &'static str, hd: usize, data: usize, vecs: usize, what: &'static str) -> Result<(usize, usize)> {
+fn shape(
+    op: &'static str,
+    hd: usize,
+    data: usize,
+    vecs: usize,
+    what: &'static str,
+) -> Result<(usize, usize)> {
     if hd == 0 {
         return Err(Error::InvalidShape {
             op,
             what: "head_dim must be at least 1".into(),
         });
     }
-    if data % hd != 0 {
+    if !data.is_multiple_of(hd) {
         return Err(Error::Length {
             op,
             what: "cache values (a multiple of head_dim)",
@@ -148,7 +166,7 @@ fn shape(op: &'static str, hd: usize, data: usize, vecs: usize, what: &'static s
             got: data,
         });
     }
-    if vecs == 0 || vecs % hd != 0 {
+    if vecs == 0 || !vecs.is_multiple_of(hd) {
         return Err(Error::Length {
             op,
             what,
@@ -160,9 +178,21 @@ fn shape(op: &'static str, hd: usize, data: usize, vecs: usize, what: &'static s
 }
 
 #[allow(unused_variables)]
-fn scores_impl<E: Elem + X86Elem>(backend: Backend, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) -> Result<()> {
+fn scores_impl<E: Elem + X86Elem>(
+    backend: Backend,
+    hd: usize,
+    k: &[E],
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
     let op = "dense::scores";
-    let (t, nq) = shape(op, hd, k.len(), q.len(), "query values (a positive multiple of head_dim)")?;
+    let (t, nq) = shape(
+        op,
+        hd,
+        k.len(),
+        q.len(),
+        "query values (a positive multiple of head_dim)",
+    )?;
     crate::quant::check_len(op, "output logits", nq * t, out.len())?;
     #[cfg(target_arch = "x86_64")]
     match backend {
@@ -201,7 +231,13 @@ fn weighted_sum_impl<E: Elem + X86Elem>(
     out: &mut [f32],
 ) -> Result<()> {
     let op = "dense::weighted_sum";
-    let (t, nq) = shape(op, hd, v.len(), out.len(), "output values (a positive multiple of head_dim)")?;
+    let (t, nq) = shape(
+        op,
+        hd,
+        v.len(),
+        out.len(),
+        "output values (a positive multiple of head_dim)",
+    )?;
     crate::quant::check_len(op, "weights", nq * t, p.len())?;
     #[cfg(target_arch = "x86_64")]
     match backend {

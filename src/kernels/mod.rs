@@ -50,7 +50,7 @@
 pub mod dense;
 pub mod reference;
 
-mod portable;
+pub(crate) mod portable;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
 
@@ -161,7 +161,7 @@ impl Backend {
 }
 
 fn check_queries(op: &'static str, hd: usize, q_len: usize) -> Result<usize> {
-    if q_len == 0 || q_len % hd != 0 {
+    if q_len == 0 || !q_len.is_multiple_of(hd) {
         return Err(Error::Length {
             op,
             what: "query values (a positive multiple of head_dim)",
@@ -233,6 +233,74 @@ pub fn scores_on(
     Ok(())
 }
 
+/// Scores with an int8-quantized query — opt-in, faster, approximate.
+/// Uses [`Backend::detect`].
+///
+/// For per-channel keys with `head_dim` a multiple of 64 on a CPU with
+/// AVX-512 VNNI, each block's folded query `q'_c = q_c·scale_c` is rounded
+/// to int8 with one step `δ = max_c |q'_c| / 127`, `q̃_c = round(q'_c/δ)`,
+/// and multiplied into the unsigned codes with `vpdpbusd` (exact `i32`
+/// sums): `ŝ_t = δ·Σ_c q̃_c·code_tc + q·zero`. About 4x less work per token
+/// than the exact kernel, which matters when the cache is in L2/L3 rather
+/// than DRAM.
+///
+/// **Extra error**, against the exact score `s_t` of [`scores`]: the query
+/// rounding adds at most `δ/2` per channel, so
+/// `|ŝ_t − s_t| ≤ (δ/2)·Σ_c code_tc ≤ (δ/2)·head_dim·(2^bits − 1)`,
+/// and typically (independent roundings) about
+/// `δ·(Σ_c code_tc²/12)^½` — for 4-bit codes and head_dim 128, roughly
+/// `0.3 %` of `max_c |q'_c|·(2^bits − 1)·√head_dim`. Logits are scaled by
+/// `1/√head_dim` and then exponentiated, so check this against your
+/// model's tolerance (see `docs/PERFORMANCE.md` for measured numbers).
+///
+/// Everywhere else — per-token keys, other head dims, CPUs without VNNI,
+/// or another `backend` — this is exactly [`scores_on`].
+///
+/// # Errors
+/// As [`scores`].
+pub fn scores_i8(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) -> Result<()> {
+    scores_i8_on(Backend::detect(), head, q, out)
+}
+
+/// [`scores_i8`] on a chosen backend (the int8 kernel runs only for
+/// [`Backend::Avx512`] on a CPU with VNNI).
+///
+/// # Errors
+/// As [`scores`].
+pub fn scores_i8_on(
+    backend: Backend,
+    head: &PackedHead<'_>,
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 && x86_64::Avx512Vnni::takes(head) {
+        if let Some(s) = x86_64::Avx512Vnni::new() {
+            let nq = check_queries("scores", head.layout().head_dim(), q.len())?;
+            crate::quant::check_len("scores", "output logits", nq * head.tokens(), out.len())?;
+            s.scores_i8(head, q, out);
+            return Ok(());
+        }
+    }
+    scores_on(backend, head, q, out)
+}
+
+/// Whether [`scores_i8_on`] runs the int8 (VNNI) kernel for this head on
+/// this backend and CPU, rather than the exact one.
+pub fn scores_i8_is_int8(backend: Backend, head: &PackedHead<'_>) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        backend == Backend::Avx512
+            && x86_64::Avx512Vnni::takes(head)
+            && x86_64::Avx512Vnni::new().is_some()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (backend, head);
+        false
+    }
+}
+
 /// Attention-weighted sum of a head's values, straight from packed codes:
 /// `out_i += Σ_t p[i·tokens + t] · v̂_t` (accumulates into `out`).
 ///
@@ -276,4 +344,132 @@ pub fn weighted_sum_on(
     }
     portable::weighted_sum(head, p, out);
     Ok(())
+}
+
+/// The numerically stable softmax of attention logits, in place:
+/// `x_t ← e^(x_t − max) / Σ_u e^(x_u − max)`. Uses [`Backend::detect`].
+///
+/// The SIMD backends evaluate `e^x` with a vectorized Cephes `expf`
+/// (within 2 ulp of the true value; `0` below `e^-87.3`, where `f32` is
+/// subnormal), about 20x faster than the scalar `f32::exp` the portable
+/// backend uses; the two agree to about `1e-6` relative. An empty `x` is
+/// left as is.
+///
+/// # Example: attention weights
+/// ```
+/// let mut x = vec![1.0f32, 2.0, 3.0];
+/// kvq::kernels::softmax(&mut x);
+/// assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+/// assert!((x[2] - 0.665_240_9).abs() < 1e-6);
+/// ```
+pub fn softmax(x: &mut [f32]) {
+    softmax_on(Backend::detect(), x)
+}
+
+/// [`softmax`] on a chosen backend.
+pub fn softmax_on(backend: Backend, x: &mut [f32]) {
+    if x.is_empty() {
+        return;
+    }
+    let (_, sum) = softmax_parts_on(backend, x);
+    let inv = 1.0 / sum;
+    #[cfg(target_arch = "x86_64")]
+    match backend {
+        Backend::Avx512 => {
+            if let Some(s) = x86_64::Avx512::new() {
+                return s.scale(x, inv);
+            }
+        }
+        Backend::Avx2 => {
+            if let Some(s) = x86_64::Avx2::new() {
+                return s.scale(x, inv);
+            }
+        }
+        Backend::Portable => {}
+    }
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// The unnormalized half of a softmax, for merging chunks
+/// (flash-decoding): `x_t ← e^(x_t − m)` with `m = max_t x_t`, returning
+/// `(m, Σ_t e^(x_t − m))`. Returns `(-inf, 0)` for an empty `x`.
+///
+/// Two chunks `(m₁, s₁)`, `(m₂, s₂)` with weighted sums `o₁`, `o₂` combine
+/// as `m = max(m₁, m₂)`, `s = s₁·e^(m₁−m) + s₂·e^(m₂−m)`,
+/// `o = (o₁·e^(m₁−m) + o₂·e^(m₂−m)) / s`.
+pub fn softmax_parts(x: &mut [f32]) -> (f32, f32) {
+    softmax_parts_on(Backend::detect(), x)
+}
+
+/// [`softmax_parts`] on a chosen backend.
+pub fn softmax_parts_on(backend: Backend, x: &mut [f32]) -> (f32, f32) {
+    if x.is_empty() {
+        return (f32::NEG_INFINITY, 0.0);
+    }
+    #[cfg(target_arch = "x86_64")]
+    match backend {
+        Backend::Avx512 => {
+            if let Some(s) = x86_64::Avx512::new() {
+                return s.softmax_parts(x);
+            }
+        }
+        Backend::Avx2 => {
+            if let Some(s) = x86_64::Avx2::new() {
+                return s.softmax_parts(x);
+            }
+        }
+        Backend::Portable => {}
+    }
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        sum += *v;
+    }
+    (m, sum)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Axis, Group, KvQuantizer, QuantScheme, UniformQuantizer};
+
+    /// The VNNI kernel computes exactly the integer sums of the portable
+    /// specification; only the final `δ·sum + bias` may round differently.
+    #[test]
+    fn int8_kernel_matches_its_specification() {
+        let mut seed = 7u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        for bits in 1..=8u8 {
+            for hd in [64, 128, 256] {
+                for (tokens, nq, g) in [(1, 1, 32), (33, 4, 32), (100, 9, 24), (64, 2, 128)] {
+                    let s = QuantScheme::new(bits, Axis::PerChannel, Group::Size(g)).unwrap();
+                    let qz = UniformQuantizer::new(s, 1, hd).unwrap();
+                    let x: Vec<f32> = (0..tokens * hd).map(|_| rnd() * 3.0).collect();
+                    let block = qz.quantize(&x, tokens).unwrap();
+                    let head = block.head(0);
+                    let q: Vec<f32> = (0..nq * hd).map(|_| rnd()).collect();
+                    let mut want = vec![0f32; nq * tokens];
+                    portable::scores_i8(&head, &q, &mut want);
+                    let mut got = vec![0f32; nq * tokens];
+                    scores_i8_on(Backend::Avx512, &head, &q, &mut got).unwrap();
+                    if !scores_i8_is_int8(Backend::Avx512, &head) {
+                        println!("skipping the int8 kernel: this CPU has no AVX-512 VNNI");
+                        return;
+                    }
+                    for (a, b) in got.iter().zip(&want) {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                            "bits {bits} hd {hd}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

@@ -1,6 +1,6 @@
 //! The portable kernels: plain Rust, no `unsafe`, any CPU.
 //!
-//! Each code row is unpacked once into a small buffer and used by every
+//! Each code row is unpacked once, straight to floats, into a small buffer and used by every
 //! query that shares the KV head (GQA); scales are applied per group, never
 //! to a dequantized copy of the cache. Callers (the safe wrappers in
 //! [`super`]) have checked all lengths.
@@ -16,7 +16,6 @@ pub(crate) fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     let bits = l.scheme().bits();
     let t_all = head.tokens();
     let nq = q.len() / hd;
-    let mut codes = vec![0u8; hd];
     let mut cf = vec![0f32; hd];
     match l.scheme().axis() {
         Axis::PerToken => {
@@ -27,8 +26,7 @@ pub(crate) fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
             let mut sc = vec![0f32; gpr];
             let mut ze = vec![0f32; gpr];
             for t in 0..t_all {
-                pack::unpack(&head.codes[t * rb..(t + 1) * rb], bits, &mut codes);
-                widen(&codes, &mut cf);
+                unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cf);
                 head.params_into(t, &mut sc, &mut ze);
                 for i in 0..nq {
                     let qi = &q[i * hd..(i + 1) * hd];
@@ -58,8 +56,7 @@ pub(crate) fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
                     bias[i] = dot(qi, &ze);
                 }
                 for t in k * g..((k + 1) * g).min(t_all) {
-                    pack::unpack(&head.codes[t * rb..(t + 1) * rb], bits, &mut codes);
-                    widen(&codes, &mut cf);
+                    unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cf);
                     for i in 0..nq {
                         out[i * t_all + t] = dot(&qs[i * hd..(i + 1) * hd], &cf) + bias[i];
                     }
@@ -76,7 +73,6 @@ pub(crate) fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let bits = l.scheme().bits();
     let t_all = head.tokens();
     let nq = out.len() / hd;
-    let mut codes = vec![0u8; hd];
     let mut cf = vec![0f32; hd];
     let mut acc = vec![0f32; nq * hd];
     match l.scheme().axis() {
@@ -87,8 +83,7 @@ pub(crate) fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
             let mut ze = vec![0f32; gpr];
             let mut zacc = vec![0f32; nq * gpr];
             for t in 0..t_all {
-                pack::unpack(&head.codes[t * rb..(t + 1) * rb], bits, &mut codes);
-                widen(&codes, &mut cf);
+                unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cf);
                 head.params_into(t, &mut sc, &mut ze);
                 for i in 0..nq {
                     let pt = p[i * t_all + t];
@@ -117,8 +112,7 @@ pub(crate) fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
                 acc.fill(0.0);
                 let mut psum = vec![0f32; nq];
                 for t in k * g..((k + 1) * g).min(t_all) {
-                    pack::unpack(&head.codes[t * rb..(t + 1) * rb], bits, &mut codes);
-                    widen(&codes, &mut cf);
+                    unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cf);
                     for i in 0..nq {
                         let pt = p[i * t_all + t];
                         psum[i] += pt;
@@ -136,10 +130,34 @@ pub(crate) fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     }
 }
 
-#[inline]
-fn widen(codes: &[u8], out: &mut [f32]) {
-    for (o, &c) in out.iter_mut().zip(codes) {
-        *o = c as f32;
+/// Unpack a row of codes (see [`pack`]) straight to floats, plane by
+/// plane: field `f` of the plane's `m` bytes is elements `f·m .. f·m + m`,
+/// so each field is one simple loop the compiler vectorizes, and a higher
+/// plane adds its bits as `field·2^shift` (exact: codes are below 256).
+fn unpack_f32(packed: &[u8], bits: u8, out: &mut [f32]) {
+    let n = out.len();
+    let (pl, np) = pack::planes(bits);
+    let mut off = 0;
+    for (idx, &(p, shift)) in pl[..np].iter().enumerate() {
+        let k = 8 / p as usize;
+        let m = n / k;
+        let mask = ((1u16 << p) - 1) as u8;
+        let src = &packed[off..off + m];
+        let w = (1u32 << shift) as f32;
+        for f in 0..k {
+            let o = &mut out[f * m..(f + 1) * m];
+            let sh = p as usize * f;
+            if idx == 0 {
+                for (d, &s) in o.iter_mut().zip(src) {
+                    *d = ((s >> sh) & mask) as f32;
+                }
+            } else {
+                for (d, &s) in o.iter_mut().zip(src) {
+                    *d += ((s >> sh) & mask) as f32 * w;
+                }
+            }
+        }
+        off += m;
     }
 }
 
@@ -168,4 +186,61 @@ pub(crate) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, &x) in y.iter_mut().zip(x) {
         *y += a * x;
     }
+}
+
+/// The int8-query arithmetic of [`super::scores_i8`], in plain Rust: per
+/// block, `q'_c = q_c·scale_c`, `δ = max_c |q'_c| / 127`,
+/// `q̃_c = round(q'_c / δ)`, and `s_t = δ·Σ_c q̃_c·code_tc + q·zero` with
+/// the integer sum exact. Per-channel keys only. The specification the
+/// VNNI kernel is tested against.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn scores_i8(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+    let l = head.layout();
+    assert_eq!(l.scheme().axis(), Axis::PerChannel);
+    let hd = l.head_dim();
+    let rb = l.row_bytes();
+    let bits = l.scheme().bits();
+    let t_all = head.tokens();
+    let nq = q.len() / hd;
+    let g = l.group_len();
+    let mut codes = vec![0u8; hd];
+    let (mut sc, mut ze) = (vec![0f32; hd], vec![0f32; hd]);
+    let mut qi = vec![0i32; nq * hd];
+    let mut delta = vec![0f32; nq];
+    let mut bias = vec![0f32; nq];
+    for k in 0..t_all.div_ceil(g) {
+        head.params_into(k, &mut sc, &mut ze);
+        for i in 0..nq {
+            let qv = &q[i * hd..(i + 1) * hd];
+            let (d, b) = quantize_query(qv, &sc, &ze, &mut qi[i * hd..(i + 1) * hd]);
+            delta[i] = d;
+            bias[i] = b;
+        }
+        for t in k * g..((k + 1) * g).min(t_all) {
+            pack::unpack(&head.codes[t * rb..(t + 1) * rb], bits, &mut codes);
+            for i in 0..nq {
+                let dot: i32 = qi[i * hd..(i + 1) * hd]
+                    .iter()
+                    .zip(&codes)
+                    .map(|(&a, &c)| a * c as i32)
+                    .sum();
+                out[i * t_all + t] = delta[i].mul_add(dot as f32, bias[i]);
+            }
+        }
+    }
+}
+
+/// One query against one per-channel block: `q̃ = round(q·scale / δ)`
+/// into `qi`, returning `(δ, q·zero)`.
+pub(crate) fn quantize_query(q: &[f32], sc: &[f32], ze: &[f32], qi: &mut [i32]) -> (f32, f32) {
+    let amax = q
+        .iter()
+        .zip(sc)
+        .fold(0f32, |m, (&a, &s)| m.max((a * s).abs()));
+    let delta = amax / 127.0;
+    let inv = if delta > 0.0 { 1.0 / delta } else { 0.0 };
+    for ((o, &a), &s) in qi.iter_mut().zip(q).zip(sc) {
+        *o = ((a * s) * inv).round_ties_even().clamp(-127.0, 127.0) as i32;
+    }
+    (delta, dot(q, ze))
 }

@@ -44,6 +44,18 @@ impl Avx2 {
         unsafe { weighted_sum_entry(self, head, p, out) }
     }
 
+    /// `x ← e^(x − max)`, returning `(max, Σ)`.
+    pub(crate) fn softmax_parts(self, x: &mut [f32]) -> (f32, f32) {
+        // SAFETY: `self` proves the features; the kernel is safe code otherwise.
+        unsafe { softmax_parts_entry(self, x) }
+    }
+
+    /// `x ← x·k`.
+    pub(crate) fn scale(self, x: &mut [f32], k: f32) {
+        // SAFETY: `self` proves the features.
+        unsafe { scale_entry(self, x, k) }
+    }
+
     /// Dense scores over `[tokens, hd]` keys.
     pub(crate) fn dense_scores<E: DenseElem>(self, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
         // SAFETY: `self` proves the features; the kernel asserts lengths.
@@ -51,7 +63,13 @@ impl Avx2 {
     }
 
     /// Dense weighted sum over `[tokens, hd]` values.
-    pub(crate) fn dense_weighted_sum<E: DenseElem>(self, hd: usize, v: &[E], p: &[f32], out: &mut [f32]) {
+    pub(crate) fn dense_weighted_sum<E: DenseElem>(
+        self,
+        hd: usize,
+        v: &[E],
+        p: &[f32],
+        out: &mut [f32],
+    ) {
         // SAFETY: `self` proves the features; the kernel asserts lengths.
         unsafe { dense_weighted_sum_entry(self, hd, v, p, out) }
     }
@@ -68,7 +86,12 @@ unsafe fn scores_entry(s: Avx2, head: &PackedHead<'_>, q: &[f32], out: &mut [f32
 /// # Safety
 /// As [`scores_entry`].
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_b<const B: u8, const HD: usize>(s: Avx2, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+unsafe fn scores_b<const B: u8, const HD: usize>(
+    s: Avx2,
+    head: &PackedHead<'_>,
+    q: &[f32],
+    out: &mut [f32],
+) {
     // SAFETY: the caller's contract, passed on.
     unsafe { tile::scores::<Avx2, B, HD>(s, head, q, out) }
 }
@@ -84,7 +107,12 @@ unsafe fn weighted_sum_entry(s: Avx2, head: &PackedHead<'_>, p: &[f32], out: &mu
 /// # Safety
 /// As [`weighted_sum_entry`].
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn weighted_sum_b<const B: u8, const HD: usize>(s: Avx2, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+unsafe fn weighted_sum_b<const B: u8, const HD: usize>(
+    s: Avx2,
+    head: &PackedHead<'_>,
+    p: &[f32],
+    out: &mut [f32],
+) {
     // SAFETY: the caller's contract, passed on.
     unsafe { tile::weighted_sum::<Avx2, B, HD>(s, head, p, out) }
 }
@@ -92,15 +120,41 @@ unsafe fn weighted_sum_b<const B: u8, const HD: usize>(s: Avx2, head: &PackedHea
 /// # Safety
 /// The CPU has the enabled features.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dense_scores_entry<E: DenseElem>(s: Avx2, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
+unsafe fn dense_scores_entry<E: DenseElem>(
+    s: Avx2,
+    hd: usize,
+    k: &[E],
+    q: &[f32],
+    out: &mut [f32],
+) {
     tile::dense_scores(s, hd, k, q, out)
 }
 
 /// # Safety
 /// The CPU has the enabled features.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dense_weighted_sum_entry<E: DenseElem>(s: Avx2, hd: usize, v: &[E], p: &[f32], out: &mut [f32]) {
+unsafe fn dense_weighted_sum_entry<E: DenseElem>(
+    s: Avx2,
+    hd: usize,
+    v: &[E],
+    p: &[f32],
+    out: &mut [f32],
+) {
     tile::dense_weighted_sum(s, hd, v, p, out)
+}
+
+/// # Safety
+/// The CPU has the enabled features.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn softmax_parts_entry(s: Avx2, x: &mut [f32]) -> (f32, f32) {
+    tile::softmax_parts(s, x)
+}
+
+/// # Safety
+/// The CPU has the enabled features.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scale_entry(s: Avx2, x: &mut [f32], k: f32) {
+    tile::scale_in_place(s, x, k)
 }
 
 // SAFETY: an `Avx2` exists only when `Avx2::new` found every feature the
@@ -127,6 +181,52 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_add_ps(a, b) }
     }
     #[inline(always)]
+    fn sub(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX.
+        unsafe { _mm256_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX.
+        unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn exp(self, x: __m256) -> __m256 {
+        use super::expc::*;
+        // SAFETY: AVX, AVX2 and FMA.
+        unsafe {
+            let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(LO));
+            let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(LO)), _mm256_set1_ps(HI));
+            let n = _mm256_round_ps::<0x08>(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)));
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(C1), x);
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(C2), r);
+            let mut p = _mm256_set1_ps(P[0]);
+            for &c in &P[1..] {
+                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            }
+            let y = _mm256_fmadd_ps(
+                p,
+                _mm256_mul_ps(r, r),
+                _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+            );
+            let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvtps_epi32(n),
+                _mm256_set1_epi32(127),
+            ));
+            _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)))
+        }
+    }
+    #[inline(always)]
+    fn hmax(self, a: __m256) -> f32 {
+        // SAFETY: AVX.
+        unsafe {
+            let x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+            let x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+            let x = _mm_max_ss(x, _mm_movehdup_ps(x));
+            _mm_cvtss_f32(x)
+        }
+    }
+    #[inline(always)]
     fn mul(self, a: __m256, b: __m256) -> __m256 {
         // SAFETY: AVX.
         unsafe { _mm256_mul_ps(a, b) }
@@ -140,6 +240,13 @@ unsafe impl Simd for Avx2 {
     fn cvt(self, v: __m256i) -> __m256 {
         // SAFETY: AVX.
         unsafe { _mm256_cvtepi32_ps(v) }
+    }
+    #[inline(always)]
+    fn field_f32<const P: u32>(self, v: __m256i) -> __m256 {
+        // SAFETY: AVX2. (A table permute would work for fields of up to 3
+        // bits, but 256-bit converts issue on two ports and `vpermps` on
+        // one, so mask and convert is faster here.)
+        unsafe { _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32((1 << P) - 1))) }
     }
     #[inline(always)]
     fn shr_mask(self, v: __m256i, sh: i32, mask: u32) -> __m256i {
@@ -158,7 +265,10 @@ unsafe impl Simd for Avx2 {
     fn shr_pair_mask(self, v: __m256i, a: u32, b: u32, mask: u32, sh: u32) -> __m256i {
         // SAFETY: AVX2.
         unsafe {
-            let counts = _mm256_blend_epi32::<0xF0>(_mm256_set1_epi32(a as i32), _mm256_set1_epi32(b as i32));
+            let counts = _mm256_blend_epi32::<0xF0>(
+                _mm256_set1_epi32(a as i32),
+                _mm256_set1_epi32(b as i32),
+            );
             let v = _mm256_and_si256(_mm256_srlv_epi32(v, counts), _mm256_set1_epi32(mask as i32));
             _mm256_sllv_epi32(v, _mm256_set1_epi32(sh as i32))
         }

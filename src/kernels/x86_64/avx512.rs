@@ -48,6 +48,18 @@ impl Avx512 {
         unsafe { weighted_sum_entry(self, head, p, out) }
     }
 
+    /// `x ← e^(x − max)`, returning `(max, Σ)`.
+    pub(crate) fn softmax_parts(self, x: &mut [f32]) -> (f32, f32) {
+        // SAFETY: `self` proves the features; the kernel is safe code otherwise.
+        unsafe { softmax_parts_entry(self, x) }
+    }
+
+    /// `x ← x·k`.
+    pub(crate) fn scale(self, x: &mut [f32], k: f32) {
+        // SAFETY: `self` proves the features.
+        unsafe { scale_entry(self, x, k) }
+    }
+
     /// Dense scores over `[tokens, hd]` keys.
     pub(crate) fn dense_scores<E: DenseElem>(self, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
         // SAFETY: `self` proves the features; the kernel asserts lengths.
@@ -55,7 +67,13 @@ impl Avx512 {
     }
 
     /// Dense weighted sum over `[tokens, hd]` values.
-    pub(crate) fn dense_weighted_sum<E: DenseElem>(self, hd: usize, v: &[E], p: &[f32], out: &mut [f32]) {
+    pub(crate) fn dense_weighted_sum<E: DenseElem>(
+        self,
+        hd: usize,
+        v: &[E],
+        p: &[f32],
+        out: &mut [f32],
+    ) {
         // SAFETY: `self` proves the features; the kernel asserts lengths.
         unsafe { dense_weighted_sum_entry(self, hd, v, p, out) }
     }
@@ -72,7 +90,12 @@ unsafe fn scores_entry(s: Avx512, head: &PackedHead<'_>, q: &[f32], out: &mut [f
 /// # Safety
 /// As [`scores_entry`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn scores_b<const B: u8, const HD: usize>(s: Avx512, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+unsafe fn scores_b<const B: u8, const HD: usize>(
+    s: Avx512,
+    head: &PackedHead<'_>,
+    q: &[f32],
+    out: &mut [f32],
+) {
     // SAFETY: the caller's contract, passed on.
     unsafe { tile::scores::<Avx512, B, HD>(s, head, q, out) }
 }
@@ -88,7 +111,12 @@ unsafe fn weighted_sum_entry(s: Avx512, head: &PackedHead<'_>, p: &[f32], out: &
 /// # Safety
 /// As [`weighted_sum_entry`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn weighted_sum_b<const B: u8, const HD: usize>(s: Avx512, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+unsafe fn weighted_sum_b<const B: u8, const HD: usize>(
+    s: Avx512,
+    head: &PackedHead<'_>,
+    p: &[f32],
+    out: &mut [f32],
+) {
     // SAFETY: the caller's contract, passed on.
     unsafe { tile::weighted_sum::<Avx512, B, HD>(s, head, p, out) }
 }
@@ -96,15 +124,41 @@ unsafe fn weighted_sum_b<const B: u8, const HD: usize>(s: Avx512, head: &PackedH
 /// # Safety
 /// The CPU has the enabled features.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dense_scores_entry<E: DenseElem>(s: Avx512, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
+unsafe fn dense_scores_entry<E: DenseElem>(
+    s: Avx512,
+    hd: usize,
+    k: &[E],
+    q: &[f32],
+    out: &mut [f32],
+) {
     tile::dense_scores(s, hd, k, q, out)
 }
 
 /// # Safety
 /// The CPU has the enabled features.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dense_weighted_sum_entry<E: DenseElem>(s: Avx512, hd: usize, v: &[E], p: &[f32], out: &mut [f32]) {
+unsafe fn dense_weighted_sum_entry<E: DenseElem>(
+    s: Avx512,
+    hd: usize,
+    v: &[E],
+    p: &[f32],
+    out: &mut [f32],
+) {
     tile::dense_weighted_sum(s, hd, v, p, out)
+}
+
+/// # Safety
+/// The CPU has the enabled features.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn softmax_parts_entry(s: Avx512, x: &mut [f32]) -> (f32, f32) {
+    tile::softmax_parts(s, x)
+}
+
+/// # Safety
+/// The CPU has the enabled features.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn scale_entry(s: Avx512, x: &mut [f32], k: f32) {
+    tile::scale_in_place(s, x, k)
 }
 
 // SAFETY: an `Avx512` exists only when `Avx512::new` found every feature
@@ -131,6 +185,47 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_add_ps(a, b) }
     }
     #[inline(always)]
+    fn sub(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn exp(self, x: __m512) -> __m512 {
+        use super::expc::*;
+        // SAFETY: AVX-512F.
+        unsafe {
+            let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(LO));
+            let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(LO)), _mm512_set1_ps(HI));
+            let n = _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)));
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(C1), x);
+            let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(C2), r);
+            let mut p = _mm512_set1_ps(P[0]);
+            for &c in &P[1..] {
+                p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+            }
+            let y = _mm512_fmadd_ps(
+                p,
+                _mm512_mul_ps(r, r),
+                _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+            );
+            let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvtps_epi32(n),
+                _mm512_set1_epi32(127),
+            ));
+            _mm512_maskz_mov_ps(!under, _mm512_mul_ps(y, _mm512_castsi512_ps(e)))
+        }
+    }
+    #[inline(always)]
+    fn hmax(self, a: __m512) -> f32 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_reduce_max_ps(a) }
+    }
+    #[inline(always)]
     fn mul(self, a: __m512, b: __m512) -> __m512 {
         // SAFETY: AVX-512F.
         unsafe { _mm512_mul_ps(a, b) }
@@ -144,6 +239,24 @@ unsafe impl Simd for Avx512 {
     fn cvt(self, v: __m512i) -> __m512 {
         // SAFETY: AVX-512F.
         unsafe { _mm512_cvtepi32_ps(v) }
+    }
+    #[inline(always)]
+    fn field_f32<const P: u32>(self, v: __m512i) -> __m512 {
+        // SAFETY: AVX-512F. `vpermps` reads the low 4 bits of each index:
+        // entry `i` of the table is `i & (2^P − 1)`.
+        unsafe {
+            let t = _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                15.0,
+            );
+            let t = if P >= 4 {
+                t
+            } else {
+                let mask = _mm512_set1_epi32((1 << P) - 1);
+                _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_cvttps_epi32(t), mask))
+            };
+            _mm512_permutexvar_ps(v, t)
+        }
     }
     #[inline(always)]
     fn shr_mask(self, v: __m512i, sh: i32, mask: u32) -> __m512i {
@@ -162,7 +275,11 @@ unsafe impl Simd for Avx512 {
     fn shr_pair_mask(self, v: __m512i, a: u32, b: u32, mask: u32, sh: u32) -> __m512i {
         // SAFETY: AVX-512F.
         unsafe {
-            let counts = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a as i32), _mm512_set1_epi32(b as i32));
+            let counts = _mm512_mask_blend_epi32(
+                0xFF00,
+                _mm512_set1_epi32(a as i32),
+                _mm512_set1_epi32(b as i32),
+            );
             let v = _mm512_and_si512(_mm512_srlv_epi32(v, counts), _mm512_set1_epi32(mask as i32));
             _mm512_sllv_epi32(v, _mm512_set1_epi32(sh as i32))
         }

@@ -63,12 +63,32 @@ macro_rules! by_shape {
     }};
 }
 
+/// Cephes `expf`: range limits, `ln 2` split for the reduction, and the
+/// polynomial for `e^r - 1 - r` on `|r| ≤ ln(2)/2`.
+pub(super) mod expc {
+    pub const LO: f32 = -87.336_55;
+    pub const HI: f32 = 88.376_26;
+    pub const LOG2E: f32 = std::f32::consts::LOG2_E;
+    pub const C1: f32 = 0.693_359_4;
+    pub const C2: f32 = -2.121_944_4e-4;
+    pub const P: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ];
+}
+
 mod avx2;
 mod avx512;
+mod avx512_vnni;
 mod tile;
 
 pub(crate) use avx2::Avx2;
 pub(crate) use avx512::Avx512;
+pub(crate) use avx512_vnni::Avx512Vnni;
 pub(crate) use tile::DenseElem;
 
 use crate::scheme::Axis;
@@ -101,12 +121,25 @@ pub(crate) unsafe trait Simd: Copy {
     fn splat(self, x: f32) -> Self::F;
     /// `a + b`.
     fn add(self, a: Self::F, b: Self::F) -> Self::F;
+    /// `a - b`.
+    fn sub(self, a: Self::F, b: Self::F) -> Self::F;
+    /// Lanewise maximum.
+    fn max(self, a: Self::F, b: Self::F) -> Self::F;
+    /// `e^x` lanewise, within 2 ulp for `x ≥ -87.3` (Cephes' `expf`
+    /// reduction and polynomial); `0` below (where `e^x` is subnormal or 0).
+    fn exp(self, x: Self::F) -> Self::F;
+    /// The largest lane.
+    fn hmax(self, a: Self::F) -> f32;
     /// `a · b`.
     fn mul(self, a: Self::F, b: Self::F) -> Self::F;
     /// `a · b + c`, one rounding.
     fn fma(self, a: Self::F, b: Self::F, c: Self::F) -> Self::F;
     /// Integers to floats (exact for codes).
     fn cvt(self, v: Self::I) -> Self::F;
+    /// `(v & (2^P − 1))` as floats, for `P ≤ 4`; the backends use a table
+    /// permute where the ISA's permute indexes enough entries (no mask
+    /// and no convert needed).
+    fn field_f32<const P: u32>(self, v: Self::I) -> Self::F;
     /// `(v >> s) & mask` for `s ≥ 0`, `(v << -s) & mask` for `s < 0`.
     fn shr_mask(self, v: Self::I, s: i32, mask: u32) -> Self::I;
     /// `((v >> a) & mask) << sh` in the low half of the lanes and
@@ -170,15 +203,28 @@ pub(super) fn check_head(head: &PackedHead<'_>, per_query_hd: usize, per_query_t
     let l = head.layout();
     let hd = l.head_dim();
     let t = head.tokens();
-    assert!(hd > 0 && per_query_hd > 0 && per_query_hd % hd == 0, "kernels: queries must be a positive multiple of head_dim");
+    assert!(
+        hd > 0 && per_query_hd > 0 && per_query_hd.is_multiple_of(hd),
+        "kernels: queries must be a positive multiple of head_dim"
+    );
     let nq = per_query_hd / hd;
-    assert_eq!(per_query_t, nq * t, "kernels: per-token buffer must be n_q·tokens");
-    assert!(head.codes().len() >= l.head_code_bytes(t), "kernels: code rows shorter than the layout");
+    assert_eq!(
+        per_query_t,
+        nq * t,
+        "kernels: per-token buffer must be n_q·tokens"
+    );
+    assert!(
+        head.codes().len() >= l.head_code_bytes(t),
+        "kernels: code rows shorter than the layout"
+    );
     let set = head.set_len() * l.scheme().param_bytes();
     let sets = match l.scheme().axis() {
         Axis::PerToken => t,
         Axis::PerChannel => t.div_ceil(l.group_len()),
     };
-    assert!(head.params().len() >= sets * set, "kernels: params shorter than the layout");
+    assert!(
+        head.params().len() >= sets * set,
+        "kernels: params shorter than the layout"
+    );
     nq
 }

@@ -12,6 +12,22 @@ use crate::scheme::{Axis, Mode, ScaleFormat};
 use crate::store::PackedHead;
 use half::f16;
 
+/// `for $j in $lo..$hi { $body }`, fully unrolled for up to 32 iterations:
+/// the bounds are compile-time constants wherever this is used, so every
+/// `if` folds, every index into a register array is a constant and the
+/// array stays in registers (LLVM will not unroll 16 iterations of a large
+/// body by itself).
+macro_rules! unroll {
+    ($j:ident in $lo:expr, $hi:expr => $body:block) => {{
+        let (lo, hi): (usize, usize) = ($lo, $hi);
+        assert!(hi <= lo + 32, "unroll: more than 32 iterations");
+        unroll!(@go lo, hi, $j, $body, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
+    }};
+    (@go $lo:ident, $hi:ident, $j:ident, $body:block, $($k:literal)*) => {
+        $( if $lo + $k < $hi { let $j: usize = $lo + $k; $body } )*
+    };
+}
+
 /// A zeroed `f32` buffer whose start is 64-byte aligned (whole cache lines,
 /// so a 512-bit load never splits one).
 pub(super) struct Buf {
@@ -64,7 +80,7 @@ impl Geo {
         // A plane of width p is m = hd·p/8 bytes (see `pack`).
         let ok = |p: usize| {
             let m = hd * p / 8;
-            m % S::L == 0 || (2 * m == S::L && p < 8)
+            m.is_multiple_of(S::L) || (2 * m == S::L && p < 8)
         };
         let b = B as usize;
         let fast = if b == 8 {
@@ -131,8 +147,8 @@ impl<S: Simd> Deq<S> for PerToken {
     }
 }
 
-/// Per-channel scales and zeros from `hdp`-float rows: `x_c = code_c·sc_c
-/// + ze_c`, the rows advancing by `stride` per tile row (0 for the
+/// Per-channel scales and zeros from `hdp`-float rows,
+/// `x_c = code_c·sc_c + ze_c`, the rows advancing by `stride` per tile row (0 for the
 /// per-channel params of a block, `hdp` for per-token params expanded to
 /// channels when groups do not line up with vectors).
 #[derive(Clone, Copy)]
@@ -197,7 +213,14 @@ unsafe fn unpack_tile<S: Simd, const B: u8, D: Deq<S>>(
 /// # Safety
 /// `row` valid for the row's bytes, `dst` for the row's vectors; `Geo::fast`.
 #[inline(always)]
-unsafe fn unpack_row<S: Simd, const B: u8, D: Deq<S>>(s: S, row: *const u8, hd: usize, dst: *mut f32, tt: usize, d: D) {
+unsafe fn unpack_row<S: Simd, const B: u8, D: Deq<S>>(
+    s: S,
+    row: *const u8,
+    hd: usize,
+    dst: *mut f32,
+    tt: usize,
+    d: D,
+) {
     let (h2, h4, h8) = (hd / 2, hd / 4, hd / 8);
     // SAFETY: the planes of a `B`-bit row are `m = hd·p/8` bytes each,
     // widest first, and together exactly `rb` bytes (see `pack`).
@@ -233,10 +256,17 @@ unsafe fn unpack_row<S: Simd, const B: u8, D: Deq<S>>(s: S, row: *const u8, hd: 
 /// bytes and one shift and mask per field give `L` consecutive elements.
 ///
 /// # Safety
-/// `src` valid for `m` bytes, `dst` for the row's vectors; `m % L == 0`,
+/// `src` valid for `m` bytes, `dst` for the row's vectors; `m` a multiple of `L`,
 /// or `2m == L` with at least two fields.
 #[inline(always)]
-unsafe fn plane<S: Simd, D: Deq<S>, const P: u32, const SH: u32, const FIRST: bool, const LAST: bool>(
+unsafe fn plane<
+    S: Simd,
+    D: Deq<S>,
+    const P: u32,
+    const SH: u32,
+    const FIRST: bool,
+    const LAST: bool,
+>(
     s: S,
     src: *const u8,
     m: usize,
@@ -246,7 +276,7 @@ unsafe fn plane<S: Simd, D: Deq<S>, const P: u32, const SH: u32, const FIRST: bo
 ) {
     let k = (8 / P) as usize;
     let fmask = (1u32 << P) - 1;
-    if m % S::L == 0 {
+    if m.is_multiple_of(S::L) {
         let per = m / S::L;
         for b in 0..per {
             // SAFETY: bytes `b·L .. b·L + L ≤ m`.
@@ -336,12 +366,24 @@ unsafe fn codes_vec<S: Simd, const B: u8>(s: S, row: *const u8, hd: usize, j: us
         match B {
             1 => pv::<S, 1, 0>(s, row, h8, j),
             2 => pv::<S, 2, 0>(s, row, h4, j),
-            3 => s.or(pv::<S, 2, 0>(s, row, h4, j), pv::<S, 1, 2>(s, row.add(h4), h8, j)),
+            3 => s.or(
+                pv::<S, 2, 0>(s, row, h4, j),
+                pv::<S, 1, 2>(s, row.add(h4), h8, j),
+            ),
             4 => pv::<S, 4, 0>(s, row, h2, j),
-            5 => s.or(pv::<S, 4, 0>(s, row, h2, j), pv::<S, 1, 4>(s, row.add(h2), h8, j)),
-            6 => s.or(pv::<S, 4, 0>(s, row, h2, j), pv::<S, 2, 4>(s, row.add(h2), h4, j)),
+            5 => s.or(
+                pv::<S, 4, 0>(s, row, h2, j),
+                pv::<S, 1, 4>(s, row.add(h2), h8, j),
+            ),
+            6 => s.or(
+                pv::<S, 4, 0>(s, row, h2, j),
+                pv::<S, 2, 4>(s, row.add(h2), h4, j),
+            ),
             7 => s.or(
-                s.or(pv::<S, 4, 0>(s, row, h2, j), pv::<S, 2, 4>(s, row.add(h2), h4, j)),
+                s.or(
+                    pv::<S, 4, 0>(s, row, h2, j),
+                    pv::<S, 2, 4>(s, row.add(h2), h4, j),
+                ),
                 pv::<S, 1, 6>(s, row.add(h2 + h4), h8, j),
             ),
             _ => pv::<S, 8, 0>(s, row, hd, j),
@@ -349,17 +391,61 @@ unsafe fn codes_vec<S: Simd, const B: u8>(s: S, row: *const u8, hd: usize, j: us
     }
 }
 
+/// The codes of vector `j` of a row as floats: single-plane widths of up
+/// to 4 bits through [`Simd::field_f32`] (shift, then a table permute),
+/// the others through [`codes_vec`] and a convert.
+///
+/// # Safety
+/// As [`codes_vec`].
+#[inline(always)]
+unsafe fn codes_f32<S: Simd, const B: u8>(s: S, row: *const u8, hd: usize, j: usize) -> S::F {
+    // SAFETY: as `codes_vec`; `pf` reads what `pv` reads.
+    unsafe {
+        match B {
+            1 => pf::<S, 1>(s, row, hd / 8, j),
+            2 => pf::<S, 2>(s, row, hd / 4, j),
+            4 => pf::<S, 4>(s, row, hd / 2, j),
+            _ => s.cvt(codes_vec::<S, B>(s, row, hd, j)),
+        }
+    }
+}
+
+/// Field of vector `j` of a single plane of width `P`, as floats.
+///
+/// # Safety
+/// As [`pv`].
+#[inline(always)]
+unsafe fn pf<S: Simd, const P: u32>(s: S, src: *const u8, m: usize, j: usize) -> S::F {
+    let e = j * S::L;
+    if m.is_multiple_of(S::L) {
+        let f = e / m;
+        // SAFETY: bytes `e mod m .. + L ≤ m`.
+        let v = unsafe { s.load_u8(src.add(e % m)) };
+        // The field's bits at the bottom; the higher fields above are
+        // ignored by `field_f32`.
+        s.field_f32::<P>(s.shr_mask(v, (P * f as u32) as i32, u32::MAX))
+    } else {
+        // SAFETY: as `pv`.
+        s.cvt(unsafe { pv::<S, P, 0>(s, src, m, j) })
+    }
+}
+
 /// Bits `SH..SH+P` of the codes of vector `j`, from a plane of width `P`
 /// and `m` bytes at `src` (see [`plane`]).
 ///
 /// # Safety
-/// `src` valid for `m` bytes; `m % L == 0` or `2m == L`; `j·L < 8m/P`.
+/// `src` valid for `m` bytes; `m` a multiple of `L` or `2m == L`; `j·L < 8m/P`.
 #[inline(always)]
-unsafe fn pv<S: Simd, const P: u32, const SH: u32>(s: S, src: *const u8, m: usize, j: usize) -> S::I {
+unsafe fn pv<S: Simd, const P: u32, const SH: u32>(
+    s: S,
+    src: *const u8,
+    m: usize,
+    j: usize,
+) -> S::I {
     let e = j * S::L;
     let fmask = (1u32 << P) - 1;
     let f = e / m;
-    if m % S::L == 0 {
+    if m.is_multiple_of(S::L) {
         // SAFETY: bytes `e mod m .. + L ≤ m`.
         let v = unsafe { s.load_u8(src.add(e % m)) };
         s.shr_mask(v, (P * f as u32) as i32 - SH as i32, fmask << SH)
@@ -396,22 +482,22 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>>(
             let row = rows.add(tt * g.rb);
             if nq == 1 {
                 let mut a = [s.zero(); 2];
-                for j in 0..g.nch {
-                    let x = d.apply(s, tt, j, s.cvt(codes_vec::<S, B>(s, row, g.hd, j)));
+                unroll!(j in 0, g.nch => {
+                    let x = d.apply(s, tt, j, codes_f32::<S, B>(s, row, g.hd, j));
                     a[j % 2] = s.fma(x, s.load(q.add(j * S::L)), a[j % 2]);
-                }
+                });
                 s.store(accbuf.add(tt * S::L), s.add(a[0], a[1]));
             } else {
                 let mut xs = [s.zero(); MAX_NCH];
-                for (j, x) in xs.iter_mut().enumerate().take(g.nch) {
-                    *x = d.apply(s, tt, j, s.cvt(codes_vec::<S, B>(s, row, g.hd, j)));
-                }
+                unroll!(j in 0, g.nch => {
+                    xs[j] = d.apply(s, tt, j, codes_f32::<S, B>(s, row, g.hd, j));
+                });
                 for i in 0..nq {
                     let qi = q.add(i * g.hdp);
                     let mut a = [s.zero(); 2];
-                    for (j, x) in xs.iter().enumerate().take(g.nch) {
-                        a[j % 2] = s.fma(*x, s.load(qi.add(j * S::L)), a[j % 2]);
-                    }
+                    unroll!(j in 0, g.nch => {
+                        a[j % 2] = s.fma(xs[j], s.load(qi.add(j * S::L)), a[j % 2]);
+                    });
                     s.store(accbuf.add((i * S::T + tt) * S::L), s.add(a[0], a[1]));
                 }
             }
@@ -430,7 +516,7 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>>(
 /// # Safety
 /// `accbuf` valid for `(i+1)·T·L` floats.
 #[inline(always)]
-unsafe fn reduce_query<S: Simd>(s: S, accbuf: *const f32, i: usize) -> S::F {
+pub(super) unsafe fn reduce_query<S: Simd>(s: S, accbuf: *const f32, i: usize) -> S::F {
     let mut acc = [s.zero(); 16];
     for (tt, a) in acc.iter_mut().enumerate().take(S::T) {
         // SAFETY: the caller's contract.
@@ -466,7 +552,14 @@ unsafe fn dot_tile<S: Simd>(s: S, scr: *const f32, nch: usize, q: *const f32) ->
 /// # Safety
 /// `scr` valid for `T·hdp` floats, `acc` for `hdp`; `j1 ≤ nch`.
 #[inline(always)]
-unsafe fn sum_vectors<S: Simd>(s: S, scr: *const f32, j0: usize, j1: usize, w: &[S::F; 16], acc: *mut f32) {
+unsafe fn sum_vectors<S: Simd>(
+    s: S,
+    scr: *const f32,
+    j0: usize,
+    j1: usize,
+    w: &[S::F; 16],
+    acc: *mut f32,
+) {
     for j in j0..j1 {
         // SAFETY: vector `j < nch` of `acc` and of rows `tt < T`.
         unsafe {
@@ -498,7 +591,7 @@ unsafe fn splat_tile<S: Simd>(s: S, p: *const f32) -> [S::F; 16] {
 
 /// Write the first `out.len() ≤ T` lanes of `v`.
 #[inline(always)]
-fn store_lanes<S: Simd>(s: S, v: S::F, out: &mut [f32]) {
+pub(super) fn store_lanes<S: Simd>(s: S, v: S::F, out: &mut [f32]) {
     if out.len() == S::T {
         // SAFETY: `out` holds `T = L` floats.
         unsafe { s.store(out.as_mut_ptr(), v) };
@@ -543,7 +636,12 @@ fn scale_into<S: Simd>(s: S, src: &[f32], k: f32, dst: &mut [f32]) {
     let mut i = 0;
     while i + S::L <= n {
         // SAFETY: `i + L ≤ n ≤ dst.len()`.
-        unsafe { s.store(dst.as_mut_ptr().add(i), s.mul(s.load(src.as_ptr().add(i)), s.splat(k))) };
+        unsafe {
+            s.store(
+                dst.as_mut_ptr().add(i),
+                s.mul(s.load(src.as_ptr().add(i)), s.splat(k)),
+            )
+        };
         i += S::L;
     }
     for c in i..n {
@@ -553,7 +651,7 @@ fn scale_into<S: Simd>(s: S, src: &[f32], k: f32, dst: &mut [f32]) {
 
 /// The scheme as the kernels need it.
 #[derive(Clone, Copy)]
-struct Plan {
+pub(super) struct Plan {
     tokens: usize,
     fmt: ScaleFormat,
     sym: bool,
@@ -563,7 +661,7 @@ struct Plan {
 
 impl Plan {
     #[inline(always)]
-    fn new(head: &PackedHead<'_>) -> Plan {
+    pub(super) fn new(head: &PackedHead<'_>) -> Plan {
         let sc = head.layout().scheme();
         Plan {
             tokens: head.tokens(),
@@ -602,7 +700,7 @@ impl TileParams {
         let gpr = l.groups_per_row();
         let cpg = l.channels_per_group();
         let vals = gpr * if p.sym { 1 } else { 2 };
-        let aligned = cpg % S::L == 0 && g.nch <= MAX_NCH;
+        let aligned = cpg.is_multiple_of(S::L) && g.nch <= MAX_NCH;
         let mut goff = [0u32; MAX_NCH];
         if aligned {
             for (j, o) in goff.iter_mut().enumerate().take(g.nch) {
@@ -648,18 +746,6 @@ impl TileParams {
         }
     }
 
-    /// Scale and zero of token `tt`, group `k`.
-    #[inline(always)]
-    fn sz(&self, tt: usize, k: usize) -> (f32, f32) {
-        let s = self.conv.s()[tt * self.vals + k];
-        let z = if self.p.sym {
-            self.zs.s()[tt * self.gpr + k]
-        } else {
-            self.conv.s()[tt * self.vals + self.gpr + k]
-        };
-        (s, z)
-    }
-
     #[inline(always)]
     fn deq(&self) -> PerToken {
         let sc = self.conv.s().as_ptr();
@@ -688,7 +774,15 @@ impl TileParams {
 /// Per-channel params of block `k` into `sc`/`ze` (`hd` each; the padding
 /// up to `hdp` stays zero).
 #[inline(always)]
-fn block_params<S: Simd>(s: S, head: &PackedHead<'_>, p: &Plan, hd: usize, k: usize, sc: &mut [f32], ze: &mut [f32]) {
+pub(super) fn block_params<S: Simd>(
+    s: S,
+    head: &PackedHead<'_>,
+    p: &Plan,
+    hd: usize,
+    k: usize,
+    sc: &mut [f32],
+    ze: &mut [f32],
+) {
     let fb = p.fmt.bytes();
     let set = hd * fb * if p.sym { 1 } else { 2 };
     let src = &head.params()[k * set..(k + 1) * set];
@@ -742,7 +836,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             let mut bias = vec![0f32; nq];
             for k in 0..t_all.div_ceil(gl) {
                 block_params(s, head, &p, hd, k, sc.m(), ze.m());
-                for i in 0..nq {
+                for (i, bias) in bias.iter_mut().enumerate() {
                     let mut b = s.zero();
                     for j in 0..g.nch {
                         let o = i * hdp + j * S::L;
@@ -755,7 +849,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                             b = s.fma(qv, s.load(ze.s().as_ptr().add(j * S::L)), b);
                         }
                     }
-                    bias[i] = s.hsum(b);
+                    *bias = s.hsum(b);
                 }
                 let t_end = ((k + 1) * gl).min(t_all);
                 let mut t0 = k * gl;
@@ -770,12 +864,29 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                         let r = unsafe {
                             if fused {
                                 if i == 0 {
-                                    fused_scores_tile::<S, B, Raw>(s, g, rows, n, Raw, qs.s().as_ptr(), nq, accbuf.m().as_mut_ptr());
+                                    fused_scores_tile::<S, B, Raw>(
+                                        s,
+                                        g,
+                                        rows,
+                                        n,
+                                        Raw,
+                                        qs.s().as_ptr(),
+                                        nq,
+                                        accbuf.m().as_mut_ptr(),
+                                    );
                                 }
                                 reduce_query(s, accbuf.s().as_ptr(), i)
                             } else {
                                 if i == 0 {
-                                    unpack_tile::<S, B, Raw>(s, g, rows, n, scr.m().as_mut_ptr(), u8buf.as_mut_ptr(), Raw);
+                                    unpack_tile::<S, B, Raw>(
+                                        s,
+                                        g,
+                                        rows,
+                                        n,
+                                        scr.m().as_mut_ptr(),
+                                        u8buf.as_mut_ptr(),
+                                        Raw,
+                                    );
                                 }
                                 dot_tile(s, scr.s().as_ptr(), g.nch, qs.s().as_ptr().add(i * hdp))
                             }
@@ -796,11 +907,22 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                 tp.load(s, head, t0, n);
                 // SAFETY: as in the per-channel arm; `tp` holds this tile's params.
                 unsafe {
-                    let (rows, sp, u8b) = (codes.add(t0 * g.rb), scr.m().as_mut_ptr(), u8buf.as_mut_ptr());
+                    let (rows, sp, u8b) = (
+                        codes.add(t0 * g.rb),
+                        scr.m().as_mut_ptr(),
+                        u8buf.as_mut_ptr(),
+                    );
                     match tp.deq_rows() {
-                        _ if fused => {
-                            fused_scores_tile::<S, B, PerToken>(s, g, rows, n, tp.deq(), qp.s().as_ptr(), nq, accbuf.m().as_mut_ptr())
-                        }
+                        _ if fused => fused_scores_tile::<S, B, PerToken>(
+                            s,
+                            g,
+                            rows,
+                            n,
+                            tp.deq(),
+                            qp.s().as_ptr(),
+                            nq,
+                            accbuf.m().as_mut_ptr(),
+                        ),
                         None => unpack_tile::<S, B, PerToken>(s, g, rows, n, sp, u8b, tp.deq()),
                         Some(d) => unpack_tile::<S, B, Rows>(s, g, rows, n, sp, u8b, d),
                     }
@@ -858,18 +980,35 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
         w
     };
     match head.layout().scheme().axis() {
-        Axis::PerToken if HD > 0 && g.fast && nq == 1 && g.nch <= MAX_NCH && head.layout().channels_per_group() % S::L == 0 => {
+        Axis::PerToken
+            if HD > 0
+                && g.fast
+                && matches!(nq, 1 | 2 | 4)
+                && g.nch <= MAX_NCH
+                && head.layout().channels_per_group().is_multiple_of(S::L) =>
+        {
             let mut tp = TileParams::new::<S>(head, g, pl);
             // SAFETY: check_head passed; the shape conditions of the arm hold.
-            unsafe { fused_sum_pt::<S, B>(s, g, head, &mut tp, p, acc.m()) };
+            unsafe {
+                match nq {
+                    1 => fused_sum_pt::<S, B, 1>(s, g, head, &mut tp, p, acc.m()),
+                    2 => fused_sum_pt::<S, B, 2>(s, g, head, &mut tp, p, acc.m()),
+                    _ => fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, acc.m()),
+                }
+            }
         }
         Axis::PerToken => {
             let mut tp = TileParams::new::<S>(head, g, pl);
-            let gpr = tp.gpr;
-            // Group-major weights `w[k][t] = p_t·scale_tk` and `Σ p·zero` per group.
-            let mut wk = Buf::new(gpr * S::T);
-            let mut zacc = vec![0f32; nq * gpr];
-            let vpg = tp.cpg / S::L;
+            let (gpr, cpg) = (tp.gpr, tp.cpg);
+            let gch = gpr.div_ceil(S::L);
+            // Groups of whole vectors and `nch ≤ MAX_NCH`: `gpr ≤ 32` groups.
+            assert!(tp.rows.is_some() || gch <= 4);
+            let wst = gch * S::L;
+            // Token-major weights of the tile, `w[t][k] = p_t·scale_tk`,
+            // and `Σ_t p_t·zero_tk` per query (lanes of `zacc`).
+            let mut wbuf = Buf::new(S::T * wst);
+            let mut zacc = Buf::new(nq * wst);
+            let vpg = cpg / S::L;
             let mut t0 = 0;
             while t0 < t_all {
                 let n = S::T.min(t_all - t0);
@@ -878,7 +1017,11 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                 // SAFETY: rows `t0..t0+n ≤ tokens` are in `codes`
                 // (check_head); the scratch holds `T` rows of `hdp`.
                 unsafe {
-                    let (r, sp, u8b) = (codes.add(t0 * g.rb), scr.m().as_mut_ptr(), u8buf.as_mut_ptr());
+                    let (r, sp, u8b) = (
+                        codes.add(t0 * g.rb),
+                        scr.m().as_mut_ptr(),
+                        u8buf.as_mut_ptr(),
+                    );
                     match rows {
                         None => unpack_tile::<S, B, Raw>(s, g, r, n, sp, u8b, Raw),
                         Some(d) => unpack_tile::<S, B, Rows>(s, g, r, n, sp, u8b, d),
@@ -889,27 +1032,55 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                     let a = acc.m()[i * hdp..].as_mut_ptr();
                     if rows.is_some() {
                         // SAFETY: `pt` holds T weights; `acc` `hdp` floats per query.
-                        unsafe { sum_vectors(s, scr.s().as_ptr(), 0, g.nch, &splat_tile(s, pt.as_ptr()), a) };
+                        unsafe {
+                            sum_vectors(
+                                s,
+                                scr.s().as_ptr(),
+                                0,
+                                g.nch,
+                                &splat_tile(s, pt.as_ptr()),
+                                a,
+                            )
+                        };
                         continue;
                     }
-                    let w = wk.m();
-                    for k in 0..gpr {
-                        let mut zs = 0f32;
-                        for tt in 0..n {
-                            let (sc, ze) = tp.sz(tt, k);
-                            w[k * S::T + tt] = pt[tt] * sc;
-                            zs += pt[tt] * ze;
+                    let d = tp.deq();
+                    let mut zt = [s.zero(); 4];
+                    for (tt, &pv) in pt.iter().enumerate().take(n) {
+                        let pb = s.splat(pv);
+                        for (c, z) in zt.iter_mut().enumerate().take(gch) {
+                            // SAFETY: the params buffers are padded by
+                            // `PAD ≥ wst` floats past the tile's last token,
+                            // so these `L`-lane reads stay inside; lanes past
+                            // `gpr` are never used. `wbuf` holds `T` rows of
+                            // `wst`.
+                            unsafe {
+                                let o = tt * d.stride + c * S::L;
+                                s.store(
+                                    wbuf.m().as_mut_ptr().add(tt * wst + c * S::L),
+                                    s.mul(s.load(d.sc.add(o)), pb),
+                                );
+                                *z = s.fma(s.load(d.ze.add(o)), pb, *z);
+                            }
                         }
-                        w[k * S::T + n..(k + 1) * S::T].fill(0.0);
-                        zacc[i * gpr + k] += zs;
                     }
-                    for k in 0..gpr {
-                        // SAFETY: `wk` holds `gpr·T` floats; vectors
-                        // `k·vpg..(k+1)·vpg ≤ nch` (groups are whole vectors).
+                    for (c, z) in zt.iter().enumerate().take(gch) {
+                        // SAFETY: `zacc` holds `wst = gch·L` floats per query.
                         unsafe {
-                            let w = splat_tile(s, wk.s().as_ptr().add(k * S::T));
-                            sum_vectors(s, scr.s().as_ptr(), k * vpg, (k + 1) * vpg, &w, a);
+                            let zp = zacc.m().as_mut_ptr().add(i * wst + c * S::L);
+                            s.store(zp, s.add(s.load(zp), *z));
                         }
+                    }
+                    // No stale weight (an inf times a zero code is NaN).
+                    wbuf.m()[n * wst..].fill(0.0);
+                    for k in 0..gpr {
+                        let mut w = [s.zero(); 16];
+                        for (tt, w) in w.iter_mut().enumerate().take(S::T) {
+                            *w = s.splat(wbuf.s()[tt * wst + k]);
+                        }
+                        // SAFETY: vectors `k·vpg..(k+1)·vpg ≤ nch` (groups
+                        // are whole vectors); `acc` `hdp` floats per query.
+                        unsafe { sum_vectors(s, scr.s().as_ptr(), k * vpg, (k + 1) * vpg, &w, a) };
                     }
                 }
                 t0 += n;
@@ -917,7 +1088,7 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
             if tp.rows.is_none() {
                 for i in 0..nq {
                     for c in 0..hd {
-                        acc.m()[i * hdp + c] += zacc[i * gpr + c / tp.cpg];
+                        acc.m()[i * hdp + c] += zacc.s()[i * wst + c / cpg];
                     }
                 }
             }
@@ -939,14 +1110,29 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                     // SAFETY: as above; `sc`/`ze` hold the block's `hdp`
                     // params and are not written meanwhile.
                     unsafe {
-                        unpack_tile::<S, B, Rows>(s, g, codes.add(t0 * g.rb), n, scr.m().as_mut_ptr(), u8buf.as_mut_ptr(), d);
+                        unpack_tile::<S, B, Rows>(
+                            s,
+                            g,
+                            codes.add(t0 * g.rb),
+                            n,
+                            scr.m().as_mut_ptr(),
+                            u8buf.as_mut_ptr(),
+                            d,
+                        );
                     }
                     for i in 0..nq {
                         let pt = tile_p(i, t0, n);
                         // SAFETY: `pt` holds T weights; `acc` `hdp` floats per query.
                         unsafe {
                             let a = acc.m()[i * hdp..].as_mut_ptr();
-                            sum_vectors(s, scr.s().as_ptr(), 0, g.nch, &splat_tile(s, pt.as_ptr()), a);
+                            sum_vectors(
+                                s,
+                                scr.s().as_ptr(),
+                                0,
+                                g.nch,
+                                &splat_tile(s, pt.as_ptr()),
+                                a,
+                            );
                         }
                     }
                     t0 += n;
@@ -955,23 +1141,27 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
         }
     }
     for i in 0..nq {
-        for (o, a) in out[i * hd..(i + 1) * hd].iter_mut().zip(&acc.s()[i * hdp..]) {
+        for (o, a) in out[i * hd..(i + 1) * hd]
+            .iter_mut()
+            .zip(&acc.s()[i * hdp..])
+        {
             *o += a;
         }
     }
 }
 
-/// Fused weighted sum of per-token values for one query: each row is
-/// unpacked into registers and added with the weight `p_t·scale_tg` of its
-/// group; `Σ_t p_t·zero_tg` is kept per group and added at the end. The
-/// accumulators live in registers for a tile at a time, in column blocks
-/// of at most half the register file.
+/// Fused weighted sum of per-token values for `NQ` queries: each row is
+/// unpacked into registers once and added into every query with the
+/// weight `p_it·scale_tg` of its group; `Σ_t p_it·zero_tg` is kept per
+/// group and added at the end. Accumulators live in registers for a tile
+/// at a time, `NQ ×` a column block of vectors filling half the register
+/// file.
 ///
 /// # Safety
-/// `check_head` passed for one query; `Geo::fast`, `nch ≤ MAX_NCH`, groups
-/// of whole vectors; `acc` holds `hdp` floats.
+/// `check_head` passed for `NQ` queries; `Geo::fast`, `nch ≤ MAX_NCH`,
+/// groups of whole vectors; `acc` holds `NQ·hdp` floats.
 #[inline(always)]
-unsafe fn fused_sum_pt<S: Simd, const B: u8>(
+unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     s: S,
     g: Geo,
     head: &PackedHead<'_>,
@@ -980,69 +1170,80 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8>(
     acc: &mut [f32],
 ) {
     let t_all = head.tokens();
-    let gpr = tp.gpr;
-    let cpg = tp.cpg;
+    let (gpr, cpg, hdp) = (tp.gpr, tp.cpg, g.hdp);
     let gch = gpr.div_ceil(S::L);
     let wst = gch * S::L;
-    // Per-token group weights of the tile, `T` rows of `wst`.
-    let mut wbuf = Buf::new(S::T * wst);
-    let mut zacc = [s.zero(); 4];
-    let jb = S::REGS / 2;
+    // Per-query, per-token group weights of the tile: `NQ·T` rows of `wst`.
+    let mut wbuf = Buf::new(NQ * S::T * wst);
+    let mut zacc = [[s.zero(); 4]; NQ];
+    let jb = (S::REGS / 2 / NQ).max(1);
     let codes = head.codes().as_ptr();
     let goff = tp.goff;
-    assert!(acc.len() >= g.hdp && gch <= 4 && p.len() >= t_all);
+    assert!(acc.len() >= NQ * hdp && gch <= 4 && p.len() >= NQ * t_all);
     let mut t0 = 0;
     while t0 < t_all {
         let n = S::T.min(t_all - t0);
         tp.load(s, head, t0, n);
         let d = tp.deq();
-        for tt in 0..n {
-            let pb = s.splat(p[t0 + tt]);
-            for (c, z) in zacc.iter_mut().enumerate().take(gch) {
-                // SAFETY: the params buffers are padded by `PAD ≥ wst`
-                // floats past the tile's last token, so these `L`-lane
-                // reads stay inside; lanes past `gpr` are never used.
-                unsafe {
-                    let o = tt * d.stride + c * S::L;
-                    s.store(wbuf.m().as_mut_ptr().add(tt * wst + c * S::L), s.mul(s.load(d.sc.add(o)), pb));
-                    *z = s.fma(s.load(d.ze.add(o)), pb, *z);
+        for (i, zacc) in zacc.iter_mut().enumerate() {
+            for tt in 0..n {
+                let pb = s.splat(p[i * t_all + t0 + tt]);
+                for (c, z) in zacc.iter_mut().enumerate().take(gch) {
+                    // SAFETY: the params buffers are padded by `PAD ≥ wst`
+                    // floats past the tile's last token, so these `L`-lane
+                    // reads stay inside; lanes past `gpr` are never used.
+                    unsafe {
+                        let o = tt * d.stride + c * S::L;
+                        let w = wbuf.m().as_mut_ptr().add((i * S::T + tt) * wst + c * S::L);
+                        s.store(w, s.mul(s.load(d.sc.add(o)), pb));
+                        *z = s.fma(s.load(d.ze.add(o)), pb, *z);
+                    }
                 }
             }
         }
         let mut j0 = 0;
         while j0 < g.nch {
             let j1 = (j0 + jb).min(g.nch);
-            let mut a = [s.zero(); 16];
-            // SAFETY: vectors `j < nch` of `acc` (hdp floats), rows
-            // `t0..t0+n ≤ tokens` of `codes` (check_head), weights of
+            let mut a = [[s.zero(); 16]; NQ];
+            // SAFETY: vectors `j < nch` of `acc` (`hdp` floats per query),
+            // rows `t0..t0+n ≤ tokens` of `codes` (check_head), weights of
             // groups `goff[j] < gpr ≤ wst`.
             unsafe {
-                for j in j0..j1 {
-                    a[j - j0] = s.load(acc.as_ptr().add(j * S::L));
-                }
+                unroll!(i in 0, NQ => {
+                    unroll!(j in j0, j1 => {
+                        a[i][j - j0] = s.load(acc.as_ptr().add(i * hdp + j * S::L));
+                    });
+                });
                 for tt in 0..n {
                     let row = codes.add((t0 + tt) * g.rb);
                     let w = wbuf.s().as_ptr().add(tt * wst);
-                    for j in j0..j1 {
-                        let x = s.cvt(codes_vec::<S, B>(s, row, g.hd, j));
-                        a[j - j0] = s.fma(x, s.bcast(w.add(goff[j] as usize)), a[j - j0]);
-                    }
+                    unroll!(j in j0, j1 => {
+                        let x = codes_f32::<S, B>(s, row, g.hd, j);
+                        unroll!(i in 0, NQ => {
+                            let wi = w.add(i * S::T * wst + goff[j] as usize);
+                            a[i][j - j0] = s.fma(x, s.bcast(wi), a[i][j - j0]);
+                        });
+                    });
                 }
-                for j in j0..j1 {
-                    s.store(acc.as_mut_ptr().add(j * S::L), a[j - j0]);
-                }
+                unroll!(i in 0, NQ => {
+                    unroll!(j in j0, j1 => {
+                        s.store(acc.as_mut_ptr().add(i * hdp + j * S::L), a[i][j - j0]);
+                    });
+                });
             }
             j0 = j1;
         }
         t0 += n;
     }
-    let mut zs = [0f32; 64];
-    for (c, z) in zacc.iter().enumerate().take(gch) {
-        // SAFETY: `zs` holds 64 ≥ 4·L floats.
-        unsafe { s.store(zs.as_mut_ptr().add(c * S::L), *z) };
-    }
-    for (c, a) in acc[..g.hd].iter_mut().enumerate() {
-        *a += zs[c / cpg];
+    for (i, zacc) in zacc.iter().enumerate() {
+        let mut zs = [0f32; 64];
+        for (c, z) in zacc.iter().enumerate().take(gch) {
+            // SAFETY: `zs` holds 64 ≥ 4·L floats.
+            unsafe { s.store(zs.as_mut_ptr().add(c * S::L), *z) };
+        }
+        for (c, a) in acc[i * hdp..i * hdp + g.hd].iter_mut().enumerate() {
+            *a += zs[c / cpg];
+        }
     }
 }
 
@@ -1086,8 +1287,17 @@ impl DenseElem for f16 {
 /// Panics unless `k.len()`, `q.len()` are multiples of `hd` and
 /// `out.len() = n_q·tokens`.
 #[inline(always)]
-pub(super) fn dense_scores<S: Simd, E: DenseElem>(s: S, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
-    assert!(hd > 0 && k.len() % hd == 0 && q.len() % hd == 0, "dense: lengths");
+pub(super) fn dense_scores<S: Simd, E: DenseElem>(
+    s: S,
+    hd: usize,
+    k: &[E],
+    q: &[f32],
+    out: &mut [f32],
+) {
+    assert!(
+        hd > 0 && k.len().is_multiple_of(hd) && q.len().is_multiple_of(hd),
+        "dense: lengths"
+    );
     let t_all = k.len() / hd;
     let nq = q.len() / hd;
     assert_eq!(out.len(), nq * t_all, "dense: output length");
@@ -1127,7 +1337,13 @@ pub(super) fn dense_scores<S: Simd, E: DenseElem>(s: S, hd: usize, k: &[E], q: &
             let mut a = s.zero();
             for j in 0..full {
                 // SAFETY: elements `j·L..j·L+L ≤ hd` of `row` and `qi`.
-                unsafe { a = s.fma(E::load(s, row.as_ptr().add(j * S::L)), s.load(qi.as_ptr().add(j * S::L)), a) };
+                unsafe {
+                    a = s.fma(
+                        E::load(s, row.as_ptr().add(j * S::L)),
+                        s.load(qi.as_ptr().add(j * S::L)),
+                        a,
+                    )
+                };
             }
             out[i * t_all + t] = s.hsum(a) + (tail..hd).map(|c| qi[c] * row[c].get()).sum::<f32>();
         }
@@ -1139,8 +1355,17 @@ pub(super) fn dense_scores<S: Simd, E: DenseElem>(s: S, hd: usize, k: &[E], q: &
 /// Panics unless `v.len()`, `out.len()` are multiples of `hd` and
 /// `p.len() = n_q·tokens`.
 #[inline(always)]
-pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(s: S, hd: usize, v: &[E], p: &[f32], out: &mut [f32]) {
-    assert!(hd > 0 && v.len() % hd == 0 && out.len() % hd == 0, "dense: lengths");
+pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(
+    s: S,
+    hd: usize,
+    v: &[E],
+    p: &[f32],
+    out: &mut [f32],
+) {
+    assert!(
+        hd > 0 && v.len().is_multiple_of(hd) && out.len().is_multiple_of(hd),
+        "dense: lengths"
+    );
     let t_all = v.len() / hd;
     let nq = out.len() / hd;
     assert_eq!(p.len(), nq * t_all, "dense: weights length");
@@ -1162,7 +1387,8 @@ pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(s: S, hd: usize, v: &[E]
                 unsafe {
                     let mut a = [s.zero(); 4];
                     for (tt, w) in w.iter().enumerate().take(S::T) {
-                        a[tt % 4] = s.fma(E::load(s, vp.add((t0 + tt) * hd + j * S::L)), *w, a[tt % 4]);
+                        a[tt % 4] =
+                            s.fma(E::load(s, vp.add((t0 + tt) * hd + j * S::L)), *w, a[tt % 4]);
                     }
                     let r = s.add(s.add(a[0], a[1]), s.add(a[2], a[3]));
                     let o = oi.as_mut_ptr().add(j * S::L);
@@ -1170,7 +1396,9 @@ pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(s: S, hd: usize, v: &[E]
                 }
             }
             for (c, o) in oi.iter_mut().enumerate().skip(tail) {
-                *o += (0..S::T).map(|tt| pi[tt] * v[(t0 + tt) * hd + c].get()).sum::<f32>();
+                *o += (0..S::T)
+                    .map(|tt| pi[tt] * v[(t0 + tt) * hd + c].get())
+                    .sum::<f32>();
             }
         }
         t0 += S::T;
@@ -1184,12 +1412,73 @@ pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(s: S, hd: usize, v: &[E]
                 // SAFETY: elements `j·L..j·L+L ≤ hd` of `row` and `oi`.
                 unsafe {
                     let o = oi.as_mut_ptr().add(j * S::L);
-                    s.store(o, s.fma(E::load(s, row.as_ptr().add(j * S::L)), s.splat(w), s.load(o)));
+                    s.store(
+                        o,
+                        s.fma(
+                            E::load(s, row.as_ptr().add(j * S::L)),
+                            s.splat(w),
+                            s.load(o),
+                        ),
+                    );
                 }
             }
             for c in tail..hd {
                 oi[c] += w * row[c].get();
             }
         }
+    }
+}
+
+/// `x ← e^(x − max)`, returning `(max, Σ)`; see
+/// [`crate::kernels::softmax_parts`].
+#[inline(always)]
+pub(super) fn softmax_parts<S: Simd>(s: S, x: &mut [f32]) -> (f32, f32) {
+    let n = x.len();
+    let body = n / S::L * S::L;
+    let p = x.as_mut_ptr();
+    let mut m = s.splat(f32::NEG_INFINITY);
+    for i in (0..body).step_by(S::L) {
+        // SAFETY: `i + L ≤ body ≤ n`.
+        m = s.max(m, unsafe { s.load(p.add(i)) });
+    }
+    let mx = x[body..].iter().fold(s.hmax(m), |a, &b| a.max(b));
+    let mv = s.splat(mx);
+    let mut sum = [s.zero(); 2];
+    for (k, i) in (0..body).step_by(S::L).enumerate() {
+        // SAFETY: `i + L ≤ body ≤ n`.
+        unsafe {
+            let e = s.exp(s.sub(s.load(p.add(i)), mv));
+            s.store(p.add(i), e);
+            sum[k % 2] = s.add(sum[k % 2], e);
+        }
+    }
+    let mut total = s.hsum(s.add(sum[0], sum[1]));
+    if body < n {
+        // The tail through the same vector `exp`, padded with -inf (→ 0).
+        let mut t = [f32::NEG_INFINITY; 16];
+        t[..n - body].copy_from_slice(&x[body..]);
+        // SAFETY: `t` holds 16 ≥ L floats.
+        unsafe {
+            let e = s.exp(s.sub(s.load(t.as_ptr()), mv));
+            total += s.hsum(e);
+            s.store(t.as_mut_ptr(), e);
+        }
+        x[body..].copy_from_slice(&t[..n - body]);
+    }
+    (mx, total)
+}
+
+/// `x ← x·k`.
+#[inline(always)]
+pub(super) fn scale_in_place<S: Simd>(s: S, x: &mut [f32], k: f32) {
+    let n = x.len();
+    let body = n / S::L * S::L;
+    let p = x.as_mut_ptr();
+    for i in (0..body).step_by(S::L) {
+        // SAFETY: `i + L ≤ body ≤ n`.
+        unsafe { s.store(p.add(i), s.mul(s.load(p.add(i)), s.splat(k))) };
+    }
+    for v in &mut x[body..] {
+        *v *= k;
     }
 }
