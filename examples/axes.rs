@@ -52,18 +52,28 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     );
     for d in &domains {
         let text = std::fs::read_to_string(common::assets::corpus(d))?;
-        let cut = text.char_indices().nth(16 * 512).map_or(text.len(), |(i, _)| i);
+        let cut = text
+            .char_indices()
+            .nth(16 * 512)
+            .map_or(text.len(), |(i, _)| i);
         let ids = tok.encode(&text[..cut])?;
         let first = &ids[..512];
         let mut rec = Recorder::new(nl, nq, nkv, hd, first);
         let mut store = KvqStore::new(nl, nkv, hd, CacheSpec::FULL)?;
-        let mut hooks = Hooks { observer: Some(&mut rec), ..Hooks::default() };
+        let mut hooks = Hooks {
+            observer: Some(&mut rec),
+            ..Hooks::default()
+        };
         window_nll(&model, first, &mut store, &mut hooks, EvalPath::Prefill)?;
         let cap = rec.capture;
         for tensor in ["keys", "values"] {
             for &b in &bits {
                 for axis in [Axis::PerToken, Axis::PerChannel] {
-                    let q = UniformQuantizer::new(QuantScheme::new(b, axis, Group::Size(32))?, nkv, hd)?;
+                    let q = UniformQuantizer::new(
+                        QuantScheme::new(b, axis, Group::Size(32))?,
+                        nkv,
+                        hd,
+                    )?;
                     let mut layers = Vec::new();
                     for l in &cap.layers {
                         let t = l.k.len() / (nkv * hd);
@@ -72,11 +82,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                         } else {
                             (l.k.clone(), q.roundtrip(&l.v, t)?)
                         };
-                        layers.push(layer_errors(shape, l.q.as_slice(), &l.k, &l.v, &kh, &vh, &mcfg)?.summary);
+                        layers.push(
+                            layer_errors(shape, l.q.as_slice(), &l.k, &l.v, &kh, &vh, &mcfg)?
+                                .summary,
+                        );
                     }
                     let m = ErrorSummary::combine(&layers).mean;
                     let recon = if tensor == "keys" { m.k_rel } else { m.v_rel };
-                    let name = if axis == Axis::PerToken { "per-token" } else { "per-channel" };
+                    let name = if axis == Axis::PerToken {
+                        "per-token"
+                    } else {
+                        "per-channel"
+                    };
                     println!(
                         "{d:<7} {tensor:<6} {b:>4} {name:<11} {recon:>10.4} {:>10.2e} {:>10.4}",
                         m.kl, m.output_rel

@@ -28,9 +28,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use common::capture::{Capture, Recorder};
 use common::gguf::Gguf;
 use common::kvq_store::{CacheSpec, KvqStore};
-use common::capture::{Capture, Recorder};
 use common::model::{Hooks, Model};
 use common::ppl::{perplexity, EvalPath, PplOptions};
 use common::tokenizer::Tokenizer;
@@ -448,9 +448,9 @@ fn json(rows: &[Row], args: &Args) -> String {
         args.opts.n_tokens, args.opts.window, args.opts.path, args.residual, args.sinks
     );
     for (i, r) in rows.iter().enumerate() {
-        let _ = write!(
+        let _ = writeln!(
             s,
-            "    {{\"domain\": \"{}\", \"config\": \"{}\", \"effective_bits\": {:.4}, \"compression_vs_f16\": {:.4}, \"ppl\": {:.6}, \"delta_ppl\": {:.6}, \"ppl_second_half\": {:.6}, \"delta_ppl_second_half\": {:.6}, \"attention_kl\": {:.6e}, \"seconds\": {:.2}}}{}\n",
+            "    {{\"domain\": \"{}\", \"config\": \"{}\", \"effective_bits\": {:.4}, \"compression_vs_f16\": {:.4}, \"ppl\": {:.6}, \"delta_ppl\": {:.6}, \"ppl_second_half\": {:.6}, \"delta_ppl_second_half\": {:.6}, \"attention_kl\": {:.6e}, \"seconds\": {:.2}}}{}",
             r.domain,
             r.config,
             r.eff_bits,

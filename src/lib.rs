@@ -100,11 +100,11 @@ pub use cache::{CacheBytes, CacheConfig, KvCache, LayerCache};
 pub use element::Element;
 pub use error::{Error, Result};
 pub use kernels::Backend;
+pub use metrics::{AttentionErrors, MetricsConfig};
+pub use plan::{MemoryModel, Planner};
 pub use quant::{KvQuantizer, UniformQuantizer};
 pub use scheme::{presets, Axis, Group, Layout, Mode, QuantScheme, ScaleFormat};
 pub use store::{PackedBlock, PackedHead};
-pub use metrics::{AttentionErrors, MetricsConfig};
-pub use plan::{MemoryModel, Planner};
 
 /// The code blocks of `docs/INTEGRATION.md`, compiled and run as doctests.
 #[cfg(doctest)]

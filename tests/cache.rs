@@ -616,14 +616,22 @@ fn every_backend_gives_the_same_causal_block_attention() {
     let w = n_kv * hd;
     let (ks, vs) = (rng.vec(n * w), rng.vec(n * w));
     let q: Vec<f32> = rng.vec(n * n_q * hd).iter().map(|x| 4.0 * x).collect();
-    for (k, v) in [kivi(4), kivi(2), (scheme(8, Axis::PerToken, Group::Size(32)), scheme(3, Axis::PerToken, Group::Head))] {
+    for (k, v) in [
+        kivi(4),
+        kivi(2),
+        (
+            scheme(8, Axis::PerToken, Group::Size(32)),
+            scheme(3, Axis::PerToken, Group::Head),
+        ),
+    ] {
         let mut base: Option<Vec<f32>> = None;
         for &bk in kvq::Backend::ALL {
             if !bk.is_available() {
                 println!("skipping backend {}: not supported by this CPU", bk.name());
                 continue;
             }
-            let mut c = LayerCache::new(CacheConfig::new(n_kv, hd).keys(k).values(v).backend(bk)).unwrap();
+            let mut c =
+                LayerCache::new(CacheConfig::new(n_kv, hd).keys(k).values(v).backend(bk)).unwrap();
             c.extend(&ks, &vs).unwrap();
             let mut out = vec![0.0; q.len()];
             c.attend_causal(&q, n_q, &mut out, None).unwrap();

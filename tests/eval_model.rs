@@ -394,7 +394,7 @@ impl GgufBuilder {
     }
 
     fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, bytes: &[u8]) -> &mut Self {
-        while self.data.len() % self.alignment != 0 {
+        while !self.data.len().is_multiple_of(self.alignment) {
             self.data.push(0);
         }
         Self::string(&mut self.infos, name);
@@ -423,7 +423,7 @@ impl GgufBuilder {
         out.extend_from_slice(&self.n_kv.to_le_bytes());
         out.extend_from_slice(&self.kv);
         out.extend_from_slice(&self.infos);
-        while out.len() % self.alignment != 0 {
+        while !out.len().is_multiple_of(self.alignment) {
             out.push(0);
         }
         out.extend_from_slice(&self.data);

@@ -154,9 +154,9 @@ impl Config {
             && self.n_heads > 0
             && self.n_kv_heads > 0
             && self.head_dim > 0
-            && self.n_heads % self.n_kv_heads == 0
+            && self.n_heads.is_multiple_of(self.n_kv_heads)
             && self.rope_dim <= self.head_dim
-            && self.rope_dim % 2 == 0
+            && self.rope_dim.is_multiple_of(2)
             && self.ffn_dim > 0
             && self.vocab_size > 0;
         if ok {
@@ -357,7 +357,7 @@ impl KvStore for DenseStore {
         if layer >= self.k.len() {
             return Err(format!("layer {layer} out of range"));
         }
-        if k.len() != v.len() || k.len() % row != 0 {
+        if k.len() != v.len() || !k.len().is_multiple_of(row) {
             return Err(format!(
                 "k/v lengths {}/{} not multiples of {row}",
                 k.len(),
@@ -419,12 +419,16 @@ pub fn dense_attention(
 ) -> std::result::Result<(), String> {
     let kv_row = n_kv_heads * head_dim;
     let q_row = n_q_heads * head_dim;
-    if n_kv_heads == 0 || n_q_heads % n_kv_heads != 0 {
+    if n_kv_heads == 0 || !n_q_heads.is_multiple_of(n_kv_heads) {
         return Err(format!(
             "{n_q_heads} query heads do not group over {n_kv_heads} kv heads"
         ));
     }
-    if q.len() % q_row != 0 || out.len() != q.len() || k.len() != v.len() || k.len() % kv_row != 0 {
+    if !q.len().is_multiple_of(q_row)
+        || out.len() != q.len()
+        || k.len() != v.len()
+        || !k.len().is_multiple_of(kv_row)
+    {
         return Err("attention: inconsistent buffer lengths".into());
     }
     let n = q.len() / q_row;
