@@ -18,7 +18,14 @@
 //! Scheme names: `4b-pc32` = 4-bit keys per-channel in blocks of 32 tokens;
 //! `4b-pt32` = per-token groups of 32 channels; asymmetric, f16 scale and
 //! zero. The attend loop uses KIVI's pairing: keys per-channel, values
-//! per-token.
+//! per-token (`4b-kivi32`); `-i8q` scores with the opt-in int8-query kernel
+//! (`kernels::scores_i8`, AVX-512 VNNI).
+//!
+//! The full multi-head `attend` of `LayerCache` (threads across heads,
+//! residual window, sinks) is benched in `benches/cache.rs`; the loop here
+//! calls the kernels directly (scores → softmax → weighted sum per KV head,
+//! heads split over two `std::thread::scope` threads) so the kernels'
+//! DRAM-streaming speed is measured without the cache around them.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::f16;
@@ -85,8 +92,8 @@ fn single_head(c: &mut Criterion) {
             for kernel in ["scores", "weighted_sum"] {
                 let mut g = c.benchmark_group(format!("{kernel}/hd{hd}/q{nq}"));
                 g.sample_size(10)
-                    .warm_up_time(Duration::from_millis(150))
-                    .measurement_time(Duration::from_millis(400));
+                    .warm_up_time(Duration::from_millis(100))
+                    .measurement_time(Duration::from_millis(300));
                 for ctx in contexts() {
                     // Built on first use, so a filtered run only pays for
                     // the cases it measures.
@@ -177,9 +184,21 @@ fn single_head(c: &mut Criterion) {
 
 /// A whole layer's K and V for one decode step.
 enum Layer {
-    Packed { k: PackedBlock, v: PackedBlock },
-    F16 { k: Vec<Vec<f16>>, v: Vec<Vec<f16>> },
-    F32 { k: Vec<Vec<f32>>, v: Vec<Vec<f32>> },
+    /// Packed K (per-channel) and V (per-token); `i8q`: scores through the
+    /// opt-in int8-query kernel.
+    Packed {
+        k: PackedBlock,
+        v: PackedBlock,
+        i8q: bool,
+    },
+    F16 {
+        k: Vec<Vec<f16>>,
+        v: Vec<Vec<f16>>,
+    },
+    F32 {
+        k: Vec<Vec<f32>>,
+        v: Vec<Vec<f32>>,
+    },
 }
 
 const N_KV: usize = 8;
@@ -188,7 +207,7 @@ const THREADS: usize = 2;
 impl Layer {
     fn bytes(&self) -> usize {
         match self {
-            Layer::Packed { k, v } => k.bytes() + v.bytes(),
+            Layer::Packed { k, v, .. } => k.bytes() + v.bytes(),
             Layer::F16 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 2,
             Layer::F32 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 4,
         }
@@ -200,7 +219,12 @@ impl Layer {
         let nq = q.len() / hd;
         let ctx = s.len() / nq;
         match self {
-            Layer::Packed { k, .. } => kernels::scores_on(be, &k.head(h), q, s).unwrap(),
+            Layer::Packed { k, i8q: false, .. } => {
+                kernels::scores_on(be, &k.head(h), q, s).unwrap()
+            }
+            Layer::Packed { k, i8q: true, .. } => {
+                kernels::scores_i8_on(be, &k.head(h), q, s).unwrap()
+            }
             Layer::F16 { k, .. } => dense::scores_f16_on(be, hd, &k[h], q, s).unwrap(),
             Layer::F32 { k, .. } => dense::scores_f32_on(be, hd, &k[h], q, s).unwrap(),
         }
@@ -319,13 +343,25 @@ fn attend_group(c: &mut Criterion) {
                     }),
                 ),
             ];
-            for bits in [2u8, 3, 4, 8] {
+            for (bits, i8q) in [
+                (2u8, false),
+                (3, false),
+                (4, false),
+                (8, false),
+                (4, true),
+                (8, true),
+            ] {
                 let (kx, vx) = (&kx, &vx);
                 cases.push((
-                    format!("{} {bits}b-kivi32", be.name()),
+                    format!(
+                        "{} {bits}b-kivi32{}",
+                        be.name(),
+                        if i8q { "-i8q" } else { "" }
+                    ),
                     Box::new(move || Layer::Packed {
                         k: quantize(bits, Axis::PerChannel, N_KV, hd, kx, ctx),
                         v: quantize(bits, Axis::PerToken, N_KV, hd, vx, ctx),
+                        i8q,
                     }),
                 ));
             }

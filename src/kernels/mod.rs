@@ -8,7 +8,18 @@
 //! * weighted sum, per-channel values: `out_c = scale_c·Σ_t p_t·code_tc + zero_c·Σ_t p_t`
 //!
 //! All kernels take several queries at once (the query heads that share a
-//! KV head under GQA) and unpack each code row once for all of them.
+//! KV head under GQA) and unpack each code row once for all of them. They
+//! are single-threaded and work on one KV head: callers spread heads (and
+//! chunks of long contexts) over threads.
+//!
+//! | function | what |
+//! |---|---|
+//! | [`scores`] / [`scores_on`] | `q·k̂` for every packed key, exact `f32` |
+//! | [`scores_i8`] / [`scores_i8_on`] | the same with an int8-quantized query (opt-in, AVX-512 VNNI, documented extra error) |
+//! | [`softmax`] / [`softmax_parts`] | vectorized softmax; the unnormalized `(max, sum)` form merges chunks |
+//! | [`weighted_sum`] / [`weighted_sum_on`] | `Σ p·v̂`, accumulated into the output |
+//! | [`dense`] | the same over unquantized `f32`/`f16` rows: the baselines |
+//! | [`reference`](mod@reference) | the oracle (dequantize, `f64` math) |
 //!
 //! In the SIMD backends, per-token keys and values are dequantized into a
 //! tile buffer in L1 as `fma(code, scale, zero)` (shared by all the queries
