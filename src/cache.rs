@@ -57,7 +57,7 @@
 
 use crate::element::{widen_into, Element};
 use crate::error::{Error, Result};
-use crate::kernels::{self, Backend};
+use crate::kernels::{self, axpy, dot, Backend};
 use crate::quant::{check_finite, check_len, group_params, quantize_channel_block, quantize_token};
 use crate::scheme::{check_shape, Axis, Layout, QuantScheme};
 use crate::store::PackedHead;
@@ -991,13 +991,7 @@ impl LayerCache {
             let hi = v1.clamp(a, b) - a;
             row[..lo].fill(0.0);
             row[hi..].fill(0.0);
-            let live = &mut row[lo..hi];
-            let m = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for v in live.iter_mut() {
-                *v = (*v - m).exp();
-                sum += *v;
-            }
+            let (m, sum) = kernels::softmax_parts_on(self.backend, &mut row[lo..hi]);
             part.max[i] = m;
             part.sum[i] = sum;
         }
@@ -1186,26 +1180,6 @@ fn sub_view(view: PackedHead<'_>, t0: usize, t1: usize) -> PackedHead<'_> {
         tokens: t1 - t0,
         codes: &view.codes[l.head_code_bytes(t0)..l.head_code_bytes(t1)],
         params: &view.params[pb(t0)..pb(t1)],
-    }
-}
-
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let n8 = a.len() / 8 * 8;
-    for (x, y) in a[..n8].chunks_exact(8).zip(b[..n8].chunks_exact(8)) {
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    let tail: f32 = a[n8..].iter().zip(&b[n8..]).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
-}
-
-#[inline]
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y += a * x;
     }
 }
 

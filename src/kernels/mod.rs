@@ -62,6 +62,8 @@ pub mod dense;
 pub mod reference;
 
 pub(crate) mod portable;
+
+pub(crate) use portable::{axpy, dot};
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
 
