@@ -378,8 +378,15 @@ impl Tensor {
             Axis::PerToken => {
                 scratch.codes.resize(l.n_kv_heads() * rb, 0);
                 scratch.params.resize(l.param_bytes(1), 0);
-                quantize_token(&l, rows, token, &mut scratch.codes, &mut scratch.params)
-                    .expect("scales were checked when the token was appended");
+                quantize_token(
+                    scratch.backend.unwrap_or_else(Backend::detect),
+                    &l,
+                    rows,
+                    token,
+                    &mut scratch.codes,
+                    &mut scratch.params,
+                )
+                .expect("scales were checked when the token was appended");
                 for (h, c) in self.codes.iter_mut().enumerate() {
                     c.extend_from_slice(&scratch.codes[h * rb..(h + 1) * rb]);
                 }
@@ -393,6 +400,7 @@ impl Tensor {
                 scratch.params.resize(l.head_param_bytes(unit), 0);
                 for h in 0..l.n_kv_heads() {
                     quantize_channel_block(
+                        scratch.backend.unwrap_or_else(Backend::detect),
                         &l,
                         rows,
                         unit,
@@ -519,6 +527,8 @@ struct Scratch {
     v: Vec<f32>,
     codes: Vec<u8>,
     params: Vec<u8>,
+    /// The quantizer's backend (`None`: detect).
+    backend: Option<Backend>,
 }
 
 /// The quantized K/V cache of one attention layer.
@@ -661,6 +671,7 @@ impl LayerCache {
         let mut q = Scratch {
             codes: std::mem::take(&mut s.codes),
             params: std::mem::take(&mut s.params),
+            backend: Some(self.backend),
             ..Scratch::default()
         };
         for i in 0..n {

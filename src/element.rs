@@ -3,10 +3,35 @@
 use half::{bf16, f16};
 
 mod private {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for half::f16 {}
-    impl Sealed for half::bf16 {}
+    use half::slice::HalfFloatSliceExt;
+
+    pub trait Sealed: Sized {
+        /// The slice itself when the type is `f32`.
+        fn f32s(_: &[Self]) -> Option<&[f32]> {
+            None
+        }
+        /// Widen `x` into `out` (same length).
+        fn widen(x: &[Self], out: &mut [f32]);
+    }
+    impl Sealed for f32 {
+        fn f32s(x: &[f32]) -> Option<&[f32]> {
+            Some(x)
+        }
+        fn widen(x: &[f32], out: &mut [f32]) {
+            out.copy_from_slice(x);
+        }
+    }
+    impl Sealed for half::f16 {
+        fn widen(x: &[half::f16], out: &mut [f32]) {
+            // F16C / NEON where the CPU has it (half's runtime dispatch).
+            x.convert_to_f32_slice(out);
+        }
+    }
+    impl Sealed for half::bf16 {
+        fn widen(x: &[half::bf16], out: &mut [f32]) {
+            x.convert_to_f32_slice(out);
+        }
+    }
 }
 
 /// A floating-point element of K, V or Q: `f32`, [`f16`](struct@half::f16) or [`bf16`](struct@half::bf16).
@@ -62,5 +87,18 @@ impl Element for bf16 {
 /// Widen a slice into `out` (cleared first).
 pub(crate) fn widen_into<T: Element>(x: &[T], out: &mut Vec<f32>) {
     out.clear();
-    out.extend(x.iter().map(|v| v.to_f32()));
+    out.resize(x.len(), 0.0);
+    T::widen(x, out);
+}
+
+/// `x` as `f32` values: borrowed when `T` is `f32`, else widened into
+/// `buf`.
+pub(crate) fn as_f32<'a, T: Element>(x: &'a [T], buf: &'a mut Vec<f32>) -> &'a [f32] {
+    match T::f32s(x) {
+        Some(f) => f,
+        None => {
+            widen_into(x, buf);
+            buf
+        }
+    }
 }

@@ -86,28 +86,55 @@ fn check(n: usize, bits: u8, packed: usize) {
 /// `bits` bits (these are internal invariants: the quantizer never makes
 /// such codes).
 #[track_caller]
+#[inline(always)]
 pub fn pack(codes: &[u8], bits: u8, out: &mut [u8]) {
     let n = codes.len();
     check(n, bits, out.len());
-    assert!(
-        bits == 8 || codes.iter().all(|&c| c >> bits == 0),
-        "pack: a code does not fit in {bits} bits"
-    );
     let (pl, np) = planes(bits);
     let mut off = 0;
+    let mut all = 0u8;
     for &(p, shift) in &pl[..np] {
-        let k = 8 / p as usize;
-        let m = n / k;
-        let mask = ((1u16 << p) - 1) as u8;
+        let m = n * p as usize / 8;
         let dst = &mut out[off..off + m];
-        dst.fill(0);
-        for f in 0..k {
-            for (j, d) in dst.iter_mut().enumerate() {
-                *d |= ((codes[f * m + j] >> shift) & mask) << (p as usize * f);
-            }
-        }
+        // One monomorphized loop per plane width: constant shifts and
+        // field counts, so it vectorizes.
+        all |= match p {
+            1 => pack_plane::<1>(codes, shift, dst),
+            2 => pack_plane::<2>(codes, shift, dst),
+            4 => pack_plane::<4>(codes, shift, dst),
+            _ => pack_plane::<8>(codes, shift, dst),
+        };
         off += m;
     }
+    assert!(
+        bits == 8 || all >> bits == 0,
+        "pack: a code does not fit in {bits} bits"
+    );
+}
+
+/// Pack bits `shift..shift+P` of every code into the plane `dst`
+/// (`codes.len()·P/8` bytes); returns the OR of all codes (for the
+/// width check).
+#[inline(always)]
+fn pack_plane<const P: usize>(codes: &[u8], shift: u8, dst: &mut [u8]) -> u8 {
+    let k = 8 / P;
+    let m = dst.len();
+    let mask = ((1u16 << P) - 1) as u8;
+    let mut all = 0u8;
+    for (f, src) in codes.chunks_exact(m).take(k).enumerate() {
+        if f == 0 {
+            for (d, &c) in dst.iter_mut().zip(src) {
+                all |= c;
+                *d = (c >> shift) & mask;
+            }
+        } else {
+            for (d, &c) in dst.iter_mut().zip(src) {
+                all |= c;
+                *d |= ((c >> shift) & mask) << (P * f);
+            }
+        }
+    }
+    all
 }
 
 /// Unpack a row packed by [`pack`] into `out` (`out.len()` codes).

@@ -39,8 +39,9 @@
 //! is rejected with [`Error::ScaleOverflow`]. In both cases nothing is
 //! produced.
 
-use crate::element::{widen_into, Element};
+use crate::element::{as_f32, Element};
 use crate::error::{Error, Result};
+use crate::kernels::Backend;
 use crate::scheme::{Axis, Layout, Mode, QuantScheme, ScaleFormat};
 use crate::store::PackedBlock;
 
@@ -129,6 +130,62 @@ impl UniformQuantizer {
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
+
+    /// [`KvQuantizer::quantize`] with its loops compiled for `backend`
+    /// (the portable one when the CPU lacks it). The packed bytes are
+    /// identical on every backend; only the speed differs.
+    ///
+    /// # Errors
+    /// As [`KvQuantizer::quantize`].
+    pub fn quantize_on<T: Element>(
+        &self,
+        backend: Backend,
+        x: &[T],
+        tokens: usize,
+    ) -> Result<PackedBlock> {
+        let l = &self.layout;
+        let width = l.n_kv_heads() * l.head_dim();
+        check_len("quantize", "values", tokens * width, x.len())?;
+        let mut buf = Vec::new();
+        let xf = as_f32(x, &mut buf);
+        // Per-token groups check finiteness as they take their min/max;
+        // per-channel blocks scan first (their min/max run across tokens).
+        if l.scheme().axis() == Axis::PerChannel {
+            check_finite("quantize", xf, l.n_kv_heads(), l.head_dim(), 0)?;
+        }
+        let mut block = PackedBlock::zeroed(*l, tokens);
+        match l.scheme().axis() {
+            Axis::PerToken => {
+                let mut codes = vec![0u8; l.n_kv_heads() * l.row_bytes()];
+                let mut params = vec![0u8; l.param_bytes(1)];
+                for t in 0..tokens {
+                    quantize_token(
+                        backend,
+                        l,
+                        &xf[t * width..(t + 1) * width],
+                        t,
+                        &mut codes,
+                        &mut params,
+                    )?;
+                    block.put_token(t, &codes, &params);
+                }
+            }
+            Axis::PerChannel => {
+                let g = l.group_len();
+                let mut t0 = 0;
+                while t0 < tokens {
+                    let tb = g.min(tokens - t0);
+                    let rows = &xf[t0 * width..(t0 + tb) * width];
+                    for h in 0..l.n_kv_heads() {
+                        let (codes, params) = block.channel_block_mut(h, t0 / g, tb);
+                        quantize_channel_block(backend, l, rows, tb, h, t0, codes, params)?;
+                    }
+                    t0 += tb;
+                }
+            }
+        }
+        Ok(block)
+    }
 }
 
 impl KvQuantizer for UniformQuantizer {
@@ -148,43 +205,7 @@ impl KvQuantizer for UniformQuantizer {
     }
 
     fn quantize<T: Element>(&self, x: &[T], tokens: usize) -> Result<PackedBlock> {
-        let l = &self.layout;
-        let width = l.n_kv_heads() * l.head_dim();
-        check_len("quantize", "values", tokens * width, x.len())?;
-        let mut xf = Vec::new();
-        widen_into(x, &mut xf);
-        check_finite("quantize", &xf, l.n_kv_heads(), l.head_dim(), 0)?;
-        let mut block = PackedBlock::zeroed(*l, tokens);
-        match l.scheme().axis() {
-            Axis::PerToken => {
-                let mut codes = vec![0u8; l.n_kv_heads() * l.row_bytes()];
-                let mut params = vec![0u8; l.param_bytes(1)];
-                for t in 0..tokens {
-                    quantize_token(
-                        l,
-                        &xf[t * width..(t + 1) * width],
-                        t,
-                        &mut codes,
-                        &mut params,
-                    )?;
-                    block.put_token(t, &codes, &params);
-                }
-            }
-            Axis::PerChannel => {
-                let g = l.group_len();
-                let mut t0 = 0;
-                while t0 < tokens {
-                    let tb = g.min(tokens - t0);
-                    let rows = &xf[t0 * width..(t0 + tb) * width];
-                    for h in 0..l.n_kv_heads() {
-                        let (codes, params) = block.channel_block_mut(h, t0 / g, tb);
-                        quantize_channel_block(l, rows, tb, h, t0, codes, params)?;
-                    }
-                    t0 += tb;
-                }
-            }
-        }
-        Ok(block)
+        self.quantize_on(Backend::detect(), x, tokens)
     }
 
     fn dequantize(&self, packed: &PackedBlock, out: &mut [f32]) -> Result<()> {
@@ -244,7 +265,7 @@ pub(crate) fn check_finite(
 }
 
 /// `(scale, zero)` of a group as stored, or which one overflowed.
-#[inline]
+#[inline(always)]
 pub(crate) fn group_params(
     scheme: &QuantScheme,
     min: f32,
@@ -286,7 +307,7 @@ pub(crate) fn group_params(
 /// `+0.5` and truncate.
 #[inline(always)]
 pub(crate) fn code_of(x: f32, inv_scale: f32, zero: f32, max_code: f32) -> u8 {
-    (((x - zero) * inv_scale).max(0.0).min(max_code) + 0.5) as u8
+    (((x - zero) * inv_scale).max(0.0).min(max_code) + 0.5) as i32 as u8
 }
 
 /// [`code_of`] computed in f64, for a group whose `1/scale` overflows f32:
@@ -301,8 +322,15 @@ fn code_of_f64(x: f32, scale: f32, zero: f32, max_code: f32) -> u8 {
 }
 
 /// Codes of a run of values sharing one `(scale, zero)`.
-#[inline]
-fn codes_into(xs: &[f32], scale: f32, zero: f32, max_code: f32, out: &mut [u8]) {
+#[inline(always)]
+fn codes_into<O: QuantOps>(
+    ops: O,
+    xs: &[f32],
+    scale: f32,
+    zero: f32,
+    max_code: f32,
+    out: &mut [u8],
+) {
     let inv_scale = inv(scale);
     if !inv_scale.is_finite() {
         for (c, &v) in out.iter_mut().zip(xs) {
@@ -310,12 +338,47 @@ fn codes_into(xs: &[f32], scale: f32, zero: f32, max_code: f32, out: &mut [u8]) 
         }
         return;
     }
-    for (c, &v) in out.iter_mut().zip(xs) {
-        *c = code_of(v, inv_scale, zero, max_code);
+    ops.codes(xs, inv_scale, zero, max_code, out);
+}
+
+/// The quantizer's inner loops, so the SIMD backends can supply explicit
+/// vector versions. Every implementation gives bit-identical results to
+/// [`Scalar`]: the same IEEE operations per element, and min/max (exact in
+/// any order).
+pub(crate) trait QuantOps: Copy {
+    /// [`min_max_finite`].
+    fn min_max_finite(self, x: &[f32]) -> (f32, f32, bool);
+    /// `out[i] = code_of(xs[i], inv_scale, zero, max_code)` (one group).
+    fn codes(self, xs: &[f32], inv_scale: f32, zero: f32, max_code: f32, out: &mut [u8]);
+    /// `out[c] = code_of(xs[c], inv[c], zero[c], max_code)` (one row of a
+    /// per-channel block).
+    fn codes_pc(self, xs: &[f32], inv: &[f32], zero: &[f32], max_code: f32, out: &mut [u8]);
+}
+
+/// The portable loops.
+#[derive(Clone, Copy)]
+pub(crate) struct Scalar;
+
+impl QuantOps for Scalar {
+    #[inline(always)]
+    fn min_max_finite(self, x: &[f32]) -> (f32, f32, bool) {
+        min_max_finite(x)
+    }
+    #[inline(always)]
+    fn codes(self, xs: &[f32], inv_scale: f32, zero: f32, max_code: f32, out: &mut [u8]) {
+        for (c, &v) in out.iter_mut().zip(xs) {
+            *c = code_of(v, inv_scale, zero, max_code);
+        }
+    }
+    #[inline(always)]
+    fn codes_pc(self, xs: &[f32], inv: &[f32], zero: &[f32], max_code: f32, out: &mut [u8]) {
+        for (((c, &v), &is), &z) in out.iter_mut().zip(xs).zip(inv).zip(zero) {
+            *c = code_of(v, is, z, max_code);
+        }
     }
 }
 
-#[inline]
+#[inline(always)]
 pub(crate) fn inv(scale: f32) -> f32 {
     if scale > 0.0 {
         1.0 / scale
@@ -324,11 +387,71 @@ pub(crate) fn inv(scale: f32) -> f32 {
     }
 }
 
+/// [`quantize_token_generic`] on `backend` (the SIMD backends compile the
+/// same loops at their vector width; the bytes are identical).
+pub(crate) fn quantize_token(
+    backend: Backend,
+    l: &Layout,
+    x: &[f32],
+    token: usize,
+    codes: &mut [u8],
+    params: &mut [u8],
+) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    match backend {
+        Backend::Avx512 => {
+            if let Some(s) = crate::kernels::x86_64::Avx512::new() {
+                return s.quantize_token(l, x, token, codes, params);
+            }
+        }
+        Backend::Avx2 => {
+            if let Some(s) = crate::kernels::x86_64::Avx2::new() {
+                return s.quantize_token(l, x, token, codes, params);
+            }
+        }
+        Backend::Portable => {}
+    }
+    let _ = backend;
+    quantize_token_generic(Scalar, l, x, token, codes, params)
+}
+
+/// [`quantize_channel_block_generic`] on `backend`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn quantize_channel_block(
+    backend: Backend,
+    l: &Layout,
+    rows: &[f32],
+    tb: usize,
+    h: usize,
+    token0: usize,
+    codes: &mut [u8],
+    params: &mut [u8],
+) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    match backend {
+        Backend::Avx512 => {
+            if let Some(s) = crate::kernels::x86_64::Avx512::new() {
+                return s.quantize_channel_block(l, rows, tb, h, token0, codes, params);
+            }
+        }
+        Backend::Avx2 => {
+            if let Some(s) = crate::kernels::x86_64::Avx2::new() {
+                return s.quantize_channel_block(l, rows, tb, h, token0, codes, params);
+            }
+        }
+        Backend::Portable => {}
+    }
+    let _ = backend;
+    quantize_channel_block_generic(Scalar, l, rows, tb, h, token0, codes, params)
+}
+
 /// Quantize one token (all heads; `x` is `[n_kv_heads·head_dim]`, finite).
 /// Writes `n_kv_heads` code rows (head-major) into `codes` and the token's
 /// params into `params`: per head `[scales…][zeros…]` (symmetric: scales
 /// only), or one shared set for `Group::Vector`.
-pub(crate) fn quantize_token(
+#[inline(always)]
+pub(crate) fn quantize_token_generic<O: QuantOps>(
+    ops: O,
     l: &Layout,
     x: &[f32],
     token: usize,
@@ -341,7 +464,7 @@ pub(crate) fn quantize_token(
     let hd = l.head_dim();
     let gl = l.channels_per_group();
     let max_code = ((1u32 << s.bits()) - 1) as f32;
-    let mut buf = [0u8; 4096];
+    let mut buf = [0u8; 512];
     let mut heap;
     let tmp: &mut [u8] = if hd <= buf.len() {
         &mut buf[..hd]
@@ -351,7 +474,10 @@ pub(crate) fn quantize_token(
     };
     let sym = s.mode() == Mode::Symmetric;
     if l.shared_params() {
-        let (mn, mx) = min_max(x);
+        let (mn, mx, ok) = ops.min_max_finite(x);
+        if !ok {
+            return Err(nonfinite(l, x, token));
+        }
         let (scale, zero) = group_params(s, mn, mx)
             .map_err(|(what, value)| overflow(fmt, what, value, token, 0, 0))?;
         fmt.write(scale, &mut params[..fb]);
@@ -359,37 +485,84 @@ pub(crate) fn quantize_token(
             fmt.write(zero, &mut params[fb..2 * fb]);
         }
         for h in 0..l.n_kv_heads() {
-            codes_into(&x[h * hd..(h + 1) * hd], scale, zero, max_code, tmp);
+            codes_into(ops, &x[h * hd..(h + 1) * hd], scale, zero, max_code, tmp);
             let rb = l.row_bytes();
             crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
         }
         return Ok(());
     }
+    // A compile-time group length for the common sizes: fixed trip counts,
+    // so the min/max and code loops become straight vector code.
+    match gl {
+        32 => token_groups::<32, O>(ops, l, x, token, codes, params, tmp),
+        64 => token_groups::<64, O>(ops, l, x, token, codes, params, tmp),
+        128 => token_groups::<128, O>(ops, l, x, token, codes, params, tmp),
+        _ => token_groups::<0, O>(ops, l, x, token, codes, params, tmp),
+    }
+}
+
+/// The per-group part of [`quantize_token_generic`], with `G` the group
+/// length (0: read from the layout).
+#[inline(always)]
+fn token_groups<const G: usize, O: QuantOps>(
+    ops: O,
+    l: &Layout,
+    x: &[f32],
+    token: usize,
+    codes: &mut [u8],
+    params: &mut [u8],
+    tmp: &mut [u8],
+) -> Result<()> {
+    let s = l.scheme();
+    let fmt = s.scale_format();
+    let fb = fmt.bytes();
+    let hd = l.head_dim();
+    let gl = if G > 0 { G } else { l.channels_per_group() };
+    let max_code = ((1u32 << s.bits()) - 1) as f32;
+    let sym = s.mode() == Mode::Symmetric;
     let gpr = l.groups_per_row();
     let per_head = gpr * s.param_bytes();
+    let rb = l.row_bytes();
     for h in 0..l.n_kv_heads() {
         let xh = &x[h * hd..(h + 1) * hd];
         let ph = &mut params[h * per_head..(h + 1) * per_head];
-        for g in 0..gpr {
-            let xs = &xh[g * gl..(g + 1) * gl];
-            let (mn, mx) = min_max(xs);
+        for (g, (xs, cs)) in xh
+            .chunks_exact(gl)
+            .zip(tmp.chunks_exact_mut(gl))
+            .enumerate()
+        {
+            let (mn, mx, ok) = ops.min_max_finite(xs);
+            if !ok {
+                return Err(nonfinite(l, x, token));
+            }
             let (scale, zero) = group_params(s, mn, mx)
                 .map_err(|(what, value)| overflow(fmt, what, value, token, h, g))?;
             fmt.write(scale, &mut ph[g * fb..(g + 1) * fb]);
             if !sym {
                 fmt.write(zero, &mut ph[(gpr + g) * fb..(gpr + g + 1) * fb]);
             }
-            codes_into(xs, scale, zero, max_code, &mut tmp[g * gl..(g + 1) * gl]);
+            codes_into(ops, xs, scale, zero, max_code, cs);
         }
-        let rb = l.row_bytes();
         crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
     }
     Ok(())
 }
 
+/// The [`Error::NonFinite`] for a token row known to hold a NaN or ±inf.
+#[cold]
+fn nonfinite(l: &Layout, x: &[f32], token: usize) -> Error {
+    match check_finite("quantize", x, l.n_kv_heads(), l.head_dim(), token) {
+        Err(e) => e,
+        Ok(()) => unreachable!("min_max_finite saw a non-finite value"),
+    }
+}
+
 /// Quantize one per-channel block of head `h`: `rows` is `[tb, n_kv·hd]`
 /// token-major (finite). Writes `tb` code rows and `[scales(hd)][zeros(hd)]`.
-pub(crate) fn quantize_channel_block(
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn quantize_channel_block_generic<O: QuantOps>(
+    ops: O,
     l: &Layout,
     rows: &[f32],
     tb: usize,
@@ -434,9 +607,7 @@ pub(crate) fn quantize_channel_block(
     let mut tmp = vec![0u8; hd];
     for t in 0..tb {
         let r = &rows[t * width + h * hd..t * width + (h + 1) * hd];
-        for (((c, &v), &is), &z) in tmp.iter_mut().zip(r).zip(&inv_s).zip(&zeros) {
-            *c = code_of(v, is, z, max_code);
-        }
+        ops.codes_pc(r, &inv_s, &zeros, max_code, &mut tmp);
         for &c in &tiny {
             tmp[c] = code_of_f64(r[c], scales[c], zeros[c], max_code);
         }
@@ -467,24 +638,43 @@ fn overflow(
 /// Minimum and maximum of finite values (8 lanes, so it vectorizes).
 #[inline]
 pub(crate) fn min_max(x: &[f32]) -> (f32, f32) {
-    let mut lo = [f32::INFINITY; 8];
-    let mut hi = [f32::NEG_INFINITY; 8];
-    let chunks = x.chunks_exact(8);
+    let (lo, hi, _) = min_max_finite(x);
+    (lo, hi)
+}
+
+/// Minimum, maximum, and whether every value is finite, in one
+/// vectorizing pass (16 lanes, reduced pairwise at the end).
+#[inline(always)]
+pub(crate) fn min_max_finite(x: &[f32]) -> (f32, f32, bool) {
+    const W: usize = 16;
+    let mut lo = [f32::INFINITY; W];
+    let mut hi = [f32::NEG_INFINITY; W];
+    let mut bad = [0u32; W];
+    let chunks = x.chunks_exact(W);
     let rest = chunks.remainder();
     for c in chunks {
-        for k in 0..8 {
+        let c: &[f32; W] = c.try_into().expect("chunks_exact");
+        for k in 0..W {
             lo[k] = if c[k] < lo[k] { c[k] } else { lo[k] };
             hi[k] = if c[k] > hi[k] { c[k] } else { hi[k] };
+            bad[k] |= (!c[k].is_finite()) as u32;
         }
     }
     for (k, &v) in rest.iter().enumerate() {
-        lo[k] = lo[k].min(v);
-        hi[k] = hi[k].max(v);
+        lo[k] = if v < lo[k] { v } else { lo[k] };
+        hi[k] = if v > hi[k] { v } else { hi[k] };
+        bad[k] |= (!v.is_finite()) as u32;
     }
-    (
-        lo.iter().copied().fold(f32::INFINITY, f32::min),
-        hi.iter().copied().fold(f32::NEG_INFINITY, f32::max),
-    )
+    let mut w = W;
+    while w > 1 {
+        w /= 2;
+        for k in 0..w {
+            lo[k] = if lo[k + w] < lo[k] { lo[k + w] } else { lo[k] };
+            hi[k] = if hi[k + w] > hi[k] { hi[k + w] } else { hi[k] };
+            bad[k] |= bad[k + w];
+        }
+    }
+    (lo[0], hi[0], bad[0] == 0)
 }
 
 /// Largest |x| below which no group of any scheme with this format can

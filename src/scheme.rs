@@ -83,45 +83,30 @@ impl ScaleFormat {
 
     /// Round `x` to the nearest number of this format that is `≥ x`.
     /// May return `+inf` when `x` is beyond the format's range.
+    #[inline(always)]
     pub fn round_up(self, x: f64) -> f32 {
         let x32 = f64_to_f32_directed(x, true);
         match self {
             ScaleFormat::F32 => x32,
-            ScaleFormat::F16 => {
-                let h = f16::from_f32(x32);
-                let h = if h.to_f32() < x32 {
-                    step_f16(h, true)
-                } else {
-                    h
-                };
-                h.to_f32()
-            }
-            ScaleFormat::Bf16 => {
-                let h = bf16::from_f32(x32);
-                let h = if h.to_f32() < x32 {
-                    step_bf16(h, true)
-                } else {
-                    h
-                };
-                h.to_f32()
-            }
+            ScaleFormat::F16 => f16_bits_to_f32(f32_to_f16_up(x32)),
+            ScaleFormat::Bf16 => f32::from_bits((f32_to_bf16_up(x32) as u32) << 16),
         }
     }
 
     /// Round `x` to the nearest number of this format that is `≤ x`.
     /// May return `-inf` when `x` is beyond the format's range.
+    #[inline(always)]
     pub fn round_down(self, x: f64) -> f32 {
         -self.round_up(-x)
     }
 
     /// Write `x` (already representable) as little-endian bytes.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn write(self, x: f32, out: &mut [u8]) {
         match self {
-            ScaleFormat::F16 => out[..2].copy_from_slice(&f16::from_f32(x).to_bits().to_le_bytes()),
-            ScaleFormat::Bf16 => {
-                out[..2].copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes())
-            }
+            // Representable, so rounding in either direction is exact.
+            ScaleFormat::F16 => out[..2].copy_from_slice(&f32_to_f16_up(x).to_le_bytes()),
+            ScaleFormat::Bf16 => out[..2].copy_from_slice(&f32_to_bf16_up(x).to_le_bytes()),
             ScaleFormat::F32 => out[..4].copy_from_slice(&x.to_bits().to_le_bytes()),
         }
     }
@@ -138,6 +123,7 @@ impl ScaleFormat {
 }
 
 /// `x` as f32, rounded toward +inf (`up`) or -inf.
+#[inline(always)]
 fn f64_to_f32_directed(x: f64, up: bool) -> f32 {
     let y = x as f32;
     if (y as f64) == x || !y.is_finite() && !x.is_finite() {
@@ -151,6 +137,7 @@ fn f64_to_f32_directed(x: f64, up: bool) -> f32 {
     }
 }
 
+#[inline(always)]
 fn next_f32(y: f32, up: bool) -> f32 {
     if y.is_nan() || (y.is_infinite() && (y > 0.0) == up) {
         return y;
@@ -165,32 +152,78 @@ fn next_f32(y: f32, up: bool) -> f32 {
     f32::from_bits(if away { bits + 1 } else { bits - 1 })
 }
 
-fn step_f16(h: f16, up: bool) -> f16 {
-    let v = h.to_f32();
-    if v == 0.0 {
-        return if up {
-            f16::from_bits(1)
-        } else {
-            f16::from_bits(0x8001)
-        };
+/// The IEEE half nearest to `x` that is `≥ x` (toward +inf), as bits;
+/// `x` NaN gives a NaN. Integer-only (no F16C, no call): it runs once per
+/// group on the quantize path.
+#[inline(always)]
+fn f32_to_f16_up(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let a = b & 0x7FFF_FFFF;
+    if a > 0x7F80_0000 {
+        return 0x7E00; // NaN
     }
-    let away = (v > 0.0) == up;
-    let b = h.to_bits();
-    f16::from_bits(if away { b + 1 } else { b - 1 })
+    let e = (a >> 23) as i32 - 127;
+    // Magnitude truncated toward zero, and whether that lost anything.
+    let (mag, inexact) = if a == 0x7F80_0000 {
+        (0x7C00u16, false)
+    } else if e > 15 {
+        (0x7BFF, true)
+    } else if e >= -14 {
+        let m = a & 0x7F_FFFF;
+        ((((e + 15) as u32) << 10 | m >> 13) as u16, m & 0x1FFF != 0)
+    } else if a < 0x0080_0000 {
+        // An f32 subnormal is far below the smallest half subnormal.
+        (0, a != 0)
+    } else {
+        // Half subnormal: units of 2^-24.
+        let m = (a & 0x7F_FFFF) | 0x80_0000;
+        let sh = (-1 - e) as u32; // 14 ..
+        if sh >= 32 {
+            (0, true)
+        } else {
+            ((m >> sh) as u16, m & ((1u32 << sh) - 1) != 0)
+        }
+    };
+    // Toward zero is already up for negatives; positives step one up
+    // (0x7BFF + 1 is +inf).
+    if inexact && sign == 0 {
+        mag + 1
+    } else {
+        sign | mag
+    }
 }
 
-fn step_bf16(h: bf16, up: bool) -> bf16 {
-    let v = h.to_f32();
-    if v == 0.0 {
-        return if up {
-            bf16::from_bits(1)
-        } else {
-            bf16::from_bits(0x8001)
-        };
+/// A half's bits as the (exact) `f32`.
+#[inline(always)]
+fn f16_bits_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let e = ((h >> 10) & 0x1F) as u32;
+    let m = (h & 0x3FF) as u32;
+    let mag = if e == 0x1F {
+        0x7F80_0000 | m << 13
+    } else if e > 0 {
+        (e + 112) << 23 | m << 13
+    } else {
+        // Subnormal (or zero): m · 2^-24, exact in f32.
+        (m as f32 * (1.0 / 16_777_216.0)).to_bits()
+    };
+    f32::from_bits(sign | mag)
+}
+
+/// The bfloat16 nearest to `x` that is `≥ x`, as bits (NaN stays NaN).
+#[inline(always)]
+fn f32_to_bf16_up(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return 0x7FC0;
     }
-    let away = (v > 0.0) == up;
-    let b = h.to_bits();
-    bf16::from_bits(if away { b + 1 } else { b - 1 })
+    let t = (b >> 16) as u16;
+    if b & 0xFFFF != 0 && b >> 31 == 0 {
+        t + 1
+    } else {
+        t
+    }
 }
 
 /// How to quantize one tensor (keys or values) of a layer.
@@ -645,5 +678,82 @@ mod tests {
             }
         }
         assert!(ScaleFormat::F16.round_up(70000.0).is_infinite());
+    }
+
+    /// The integer directed rounding against `half`'s conversions (round to
+    /// nearest, then one step up if below) on every f16 boundary region and
+    /// on pseudo-random f32 bit patterns of every exponent.
+    #[test]
+    fn directed_rounding_matches_half() {
+        fn oracle_f16(x: f32) -> f32 {
+            let h = f16::from_f32(x);
+            if h.to_f32() >= x || h.is_nan() {
+                return h.to_f32();
+            }
+            let v = h.to_f32();
+            let b = h.to_bits();
+            let n = if v == 0.0 {
+                1
+            } else if v > 0.0 {
+                b + 1
+            } else {
+                b - 1
+            };
+            f16::from_bits(n).to_f32()
+        }
+        fn oracle_bf16(x: f32) -> f32 {
+            let h = bf16::from_f32(x);
+            if h.to_f32() >= x || h.is_nan() {
+                return h.to_f32();
+            }
+            let v = h.to_f32();
+            let b = h.to_bits();
+            let n = if v == 0.0 {
+                1
+            } else if v > 0.0 {
+                b + 1
+            } else {
+                b - 1
+            };
+            bf16::from_bits(n).to_f32()
+        }
+        let mut xs: Vec<f32> = Vec::new();
+        for h in 0..=0xFFFFu16 {
+            let v = f16::from_bits(h).to_f32();
+            if v.is_finite() {
+                xs.push(v);
+                xs.push(f32::from_bits(v.to_bits().wrapping_add(1)));
+                xs.push(f32::from_bits(v.to_bits().wrapping_sub(1)));
+            }
+        }
+        let mut r = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..200_000 {
+            r ^= r << 13;
+            r ^= r >> 7;
+            r ^= r << 17;
+            xs.push(f32::from_bits(r as u32));
+        }
+        xs.extend([
+            f32::MAX,
+            -f32::MAX,
+            f32::MIN_POSITIVE,
+            65504.0,
+            65520.0,
+            1e-8,
+            -1e-8,
+        ]);
+        for &x in xs.iter().filter(|x| x.is_finite()) {
+            let got = f16_bits_to_f32(f32_to_f16_up(x));
+            let want = oracle_f16(x);
+            assert!(got == want, "f16 up of {x:e}: {got:e} vs {want:e}");
+            assert_eq!(got.to_bits() >> 31 == 1 && got != 0.0, want < 0.0, "{x:e}");
+            let got = f32::from_bits((f32_to_bf16_up(x) as u32) << 16);
+            assert!(got == oracle_bf16(x), "bf16 up of {x:e}");
+            // Exact for representable values, in both formats.
+            let h = f16::from_f32(x);
+            if h.is_finite() {
+                assert_eq!(f32_to_f16_up(h.to_f32()), h.to_bits(), "{x:e}");
+            }
+        }
     }
 }

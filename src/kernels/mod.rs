@@ -65,7 +65,7 @@ pub(crate) mod portable;
 
 pub(crate) use portable::{axpy, dot};
 #[cfg(target_arch = "x86_64")]
-mod x86_64;
+pub(crate) mod x86_64;
 
 use crate::error::{Error, Result};
 use crate::store::PackedHead;

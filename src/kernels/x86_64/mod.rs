@@ -84,6 +84,7 @@ pub(super) mod expc {
 mod avx2;
 mod avx512;
 mod avx512_vnni;
+mod quantize;
 mod tile;
 
 pub(crate) use avx2::Avx2;

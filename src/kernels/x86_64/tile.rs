@@ -28,6 +28,33 @@ macro_rules! unroll {
     };
 }
 
+/// How many tokens ahead of the tile being computed the kernels ask for
+/// the code and parameter streams. Decode streams the cache from DRAM and
+/// the hardware prefetchers stop at every 4 KiB page; a software prefetch
+/// this far ahead (4 KiB of codes for 4-bit rows of 128) keeps the next
+/// pages in flight while the current tile is computed (measured in
+/// `docs/PERFORMANCE.md`).
+pub(super) const PREFETCH_TOKENS: usize = 64;
+
+/// Hint the cache lines covering `len` bytes from `p` into L1/L2.
+///
+/// A prefetch never faults, so `p` may point anywhere (the address is
+/// formed with `wrapping_add` and only used as a hint).
+#[inline(always)]
+pub(super) fn prefetch(p: *const u8, len: usize) {
+    let mut o = 0;
+    while o < len + 63 {
+        // SAFETY: `prefetcht0` is a hint: it reads nothing into the program
+        // and never faults, whatever the address (SSE, baseline on x86-64).
+        unsafe {
+            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                p.wrapping_add(o) as *const i8,
+            )
+        };
+        o += 64;
+    }
+}
+
 /// A zeroed `f32` buffer whose start is 64-byte aligned (whole cache lines,
 /// so a 512-bit load never splits one).
 pub(super) struct Buf {
@@ -726,6 +753,14 @@ impl TileParams {
     fn load<S: Simd>(&mut self, s: S, head: &PackedHead<'_>, t0: usize, n: usize) {
         let fb = self.p.fmt.bytes();
         let src = &head.params()[t0 * self.vals * fb..(t0 + n) * self.vals * fb];
+        let per = self.vals * fb;
+        prefetch(src.as_ptr().wrapping_add(PREFETCH_TOKENS * per), n * per);
+        let rb = head.layout().row_bytes();
+        let codes = head
+            .codes()
+            .as_ptr()
+            .wrapping_add((t0 + PREFETCH_TOKENS) * rb);
+        prefetch(codes, n * rb);
         cvt_params(s, self.p.fmt, src, &mut self.conv.m()[..n * self.vals]);
         if self.p.sym {
             scale_into(s, &self.conv.s()[..n * self.gpr], -self.p.half, self.zs.m());
@@ -834,7 +869,10 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             let gl = head.layout().group_len();
             let (mut sc, mut ze, mut qs) = (Buf::new(hdp), Buf::new(hdp), Buf::new(nq * hdp));
             let mut bias = vec![0f32; nq];
+            let set = head.set_len() * head.layout().scheme().param_bytes();
             for k in 0..t_all.div_ceil(gl) {
+                let ahead = k + PREFETCH_TOKENS.div_ceil(gl);
+                prefetch(head.params().as_ptr().wrapping_add(ahead * set), set);
                 block_params(s, head, &p, hd, k, sc.m(), ze.m());
                 for (i, bias) in bias.iter_mut().enumerate() {
                     let mut b = s.zero();
@@ -856,6 +894,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                 while t0 < t_end {
                     let n = S::T.min(t_end - t0);
                     let rows = codes.wrapping_add(t0 * g.rb);
+                    prefetch(rows.wrapping_add(PREFETCH_TOKENS * g.rb), n * g.rb);
                     for i in 0..nq {
                         // SAFETY: rows `t0..t0+n ≤ tokens` are in `codes`
                         // (check_head); the scratch holds `T` rows of `hdp`,
