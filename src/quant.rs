@@ -148,11 +148,8 @@ impl UniformQuantizer {
         check_len("quantize", "values", tokens * width, x.len())?;
         let mut buf = Vec::new();
         let xf = as_f32(x, &mut buf);
-        // Per-token groups check finiteness as they take their min/max;
-        // per-channel blocks scan first (their min/max run across tokens).
-        if l.scheme().axis() == Axis::PerChannel {
-            check_finite("quantize", xf, l.n_kv_heads(), l.head_dim(), 0)?;
-        }
+        // Finiteness is checked while each group's or block's min/max is
+        // taken (the first non-finite value in token order is reported).
         let mut block = PackedBlock::zeroed(*l, tokens);
         match l.scheme().axis() {
             Axis::PerToken => {
@@ -580,12 +577,24 @@ pub(crate) fn quantize_channel_block_generic<O: QuantOps>(
     let sym = s.mode() == Mode::Symmetric;
     let mut mins = rows[h * hd..(h + 1) * hd].to_vec();
     let mut maxs = mins.clone();
+    let mut bad = mins.iter().fold(0u32, |b, v| b | (!v.is_finite()) as u32);
     for t in 1..tb {
         let r = &rows[t * width + h * hd..t * width + (h + 1) * hd];
         for ((lo, hi), &v) in mins.iter_mut().zip(maxs.iter_mut()).zip(r) {
             *lo = if v < *lo { v } else { *lo };
             *hi = if v > *hi { v } else { *hi };
+            bad |= (!v.is_finite()) as u32;
         }
+    }
+    if bad != 0 {
+        // The block's first non-finite value in token order (blocks are
+        // quantized in order, so it is also the first of the input).
+        return Err(
+            match check_finite("quantize", &rows[..tb * width], l.n_kv_heads(), hd, token0) {
+                Err(e) => e,
+                Ok(()) => unreachable!("a non-finite value was seen"),
+            },
+        );
     }
     let mut inv_s = vec![0f32; hd];
     let mut zeros = vec![0f32; hd];
