@@ -55,7 +55,7 @@
 //! # Ok::<(), kvq::Error>(())
 //! ```
 
-use crate::element::{widen_into, Element};
+use crate::element::{as_f32, widen_into, Element};
 use crate::error::{Error, Result};
 use crate::kernels::{self, axpy, dot, Backend};
 use crate::quant::{check_finite, check_len, group_params, quantize_channel_block, quantize_token};
@@ -656,18 +656,34 @@ impl LayerCache {
     ) -> Result<()> {
         let (n_kv, hd) = (self.cfg.n_kv_heads, self.cfg.head_dim);
         let w = n_kv * hd;
-        widen_into(k, &mut s.k);
-        widen_into(v, &mut s.v);
-        check_finite(op, &s.k, n_kv, hd, 0)?;
-        check_finite(op, &s.v, n_kv, hd, 0)?;
+        // f32 input is used in place; f16/bf16 is widened once.
+        let (mut wk, mut wv) = (std::mem::take(&mut s.k), std::mem::take(&mut s.v));
+        let r = self.extend_f32(op, as_f32(k, &mut wk), as_f32(v, &mut wv), n_kv, hd, w, s);
+        (s.k, s.v) = (wk, wv);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn extend_f32(
+        &mut self,
+        op: &'static str,
+        k: &[f32],
+        v: &[f32],
+        n_kv: usize,
+        hd: usize,
+        w: usize,
+        s: &mut Scratch,
+    ) -> Result<()> {
+        check_finite(op, k, n_kv, hd, 0)?;
+        check_finite(op, v, n_kv, hd, 0)?;
         let mut pk = (self.k.pend_min.clone(), self.k.pend_max.clone());
         let mut pv = (self.v.pend_min.clone(), self.v.pend_max.clone());
-        self.k.check(op, &s.k, self.len, &mut pk)?;
-        self.v.check(op, &s.v, self.len, &mut pv)?;
+        self.k.check(op, k, self.len, &mut pk)?;
+        self.v.check(op, v, self.len, &mut pv)?;
         // Checked: from here on nothing fails.
         (self.k.pend_min, self.k.pend_max) = pk;
         (self.v.pend_min, self.v.pend_max) = pv;
-        let n = s.k.len() / w;
+        let n = k.len() / w;
         let mut q = Scratch {
             codes: std::mem::take(&mut s.codes),
             params: std::mem::take(&mut s.params),
@@ -675,8 +691,8 @@ impl LayerCache {
             ..Scratch::default()
         };
         for i in 0..n {
-            self.k.push(&s.k[i * w..(i + 1) * w], self.len, &mut q);
-            self.v.push(&s.v[i * w..(i + 1) * w], self.len, &mut q);
+            self.k.push(&k[i * w..(i + 1) * w], self.len, &mut q);
+            self.v.push(&v[i * w..(i + 1) * w], self.len, &mut q);
             self.len += 1;
         }
         s.codes = q.codes;
