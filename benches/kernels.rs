@@ -183,6 +183,7 @@ fn single_head(c: &mut Criterion) {
 }
 
 /// A whole layer's K and V for one decode step.
+#[derive(Clone)]
 enum Layer {
     /// Packed K (per-channel) and V (per-token); `i8q`: scores through the
     /// opt-in int8-query kernel.
@@ -199,6 +200,24 @@ enum Layer {
         k: Vec<Vec<f32>>,
         v: Vec<Vec<f32>>,
     },
+    /// The roofline: as many bytes as the f16 layer, only read (summed as
+    /// integers), no arithmetic to speak of.
+    Read {
+        k: Vec<Vec<u64>>,
+        v: Vec<Vec<u64>>,
+    },
+}
+
+/// Sum of the words (four independent chains, so it is bound by the
+/// loads, not by the adds).
+fn read_sum(x: &[u64]) -> u64 {
+    let mut a = [0u64; 8];
+    for c in x.chunks_exact(8) {
+        for i in 0..8 {
+            a[i] = a[i].wrapping_add(c[i]);
+        }
+    }
+    a.iter().fold(0, |s, &v| s.wrapping_add(v))
 }
 
 const N_KV: usize = 8;
@@ -210,6 +229,7 @@ impl Layer {
             Layer::Packed { k, v, .. } => k.bytes() + v.bytes(),
             Layer::F16 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 2,
             Layer::F32 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 4,
+            Layer::Read { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 8,
         }
     }
 
@@ -218,6 +238,10 @@ impl Layer {
     fn head(&self, be: Backend, h: usize, hd: usize, q: &[f32], s: &mut [f32], out: &mut [f32]) {
         let nq = q.len() / hd;
         let ctx = s.len() / nq;
+        if let Layer::Read { k, v } = self {
+            out[0] = (read_sum(&k[h]) ^ read_sum(&v[h])) as f32;
+            return;
+        }
         match self {
             Layer::Packed { k, i8q: false, .. } => {
                 kernels::scores_on(be, &k.head(h), q, s).unwrap()
@@ -227,6 +251,7 @@ impl Layer {
             }
             Layer::F16 { k, .. } => dense::scores_f16_on(be, hd, &k[h], q, s).unwrap(),
             Layer::F32 { k, .. } => dense::scores_f32_on(be, hd, &k[h], q, s).unwrap(),
+            Layer::Read { .. } => unreachable!(),
         }
         for row in s.chunks_mut(ctx) {
             kernels::softmax_on(be, row);
@@ -236,6 +261,7 @@ impl Layer {
             Layer::Packed { v, .. } => kernels::weighted_sum_on(be, &v.head(h), s, out).unwrap(),
             Layer::F16 { v, .. } => dense::weighted_sum_f16_on(be, hd, &v[h], s, out).unwrap(),
             Layer::F32 { v, .. } => dense::weighted_sum_f32_on(be, hd, &v[h], s, out).unwrap(),
+            Layer::Read { .. } => unreachable!(),
         }
     }
 }
@@ -265,7 +291,7 @@ fn attend(layer: &Layer, be: Backend, hd: usize, ctx: usize, q: &[f32], out: &mu
 fn bytes_of(name: &str, ctx: usize, hd: usize) -> usize {
     let elems = 2 * N_KV * ctx * hd;
     match name {
-        "dense-f16" => elems * 2,
+        "dense-f16" | "dram-read" => elems * 2,
         "dense-f32" => elems * 4,
         _ => {
             let bits: u8 = name
@@ -286,10 +312,10 @@ fn bytes_of(name: &str, ctx: usize, hd: usize) -> usize {
     }
 }
 
-/// This machine's last-level cache is 48 MiB: rotate over copies of the
-/// layer until they add up to at least 3x that, so every call streams
-/// from DRAM.
-const COLD_BYTES: usize = 144 << 20;
+/// Rotate over copies of the layer until they add up to 1 GiB (this
+/// machine's last-level cache is 48 MiB), so every call streams from DRAM,
+/// as a many-layer model's cache does.
+const COLD_BYTES: usize = 1 << 30;
 
 fn attend_group(c: &mut Criterion) {
     let hd = 128;
@@ -320,6 +346,18 @@ fn attend_group(c: &mut Criterion) {
                     .collect()
             };
             let mut cases: Vec<(String, Box<dyn Fn() -> Layer>)> = vec![
+                (
+                    "dram-read".into(),
+                    Box::new(|| {
+                        let words = ctx * hd / 4; // f16 bytes of one head / 8
+                        let w = |seed: u64| {
+                            (0..N_KV)
+                                .map(|h| (0..words as u64).map(|i| i ^ seed ^ h as u64).collect())
+                                .collect()
+                        };
+                        Layer::Read { k: w(1), v: w(2) }
+                    }),
+                ),
                 (
                     "dense-f16".into(),
                     Box::new(|| {
@@ -372,8 +410,9 @@ fn attend_group(c: &mut Criterion) {
                 let mut i = 0;
                 g.bench_function(BenchmarkId::new(name, ctx), |b| {
                     let layers = layers.get_or_init(|| {
-                        let copies = COLD_BYTES.div_ceil(bytes).clamp(1, 8);
-                        let v: Vec<Layer> = (0..copies).map(|_| make()).collect();
+                        let copies = COLD_BYTES.div_ceil(bytes).clamp(1, 64);
+                        let first = make();
+                        let v: Vec<Layer> = (0..copies).map(|_| first.clone()).collect();
                         assert_eq!(v[0].bytes(), bytes);
                         v
                     });

@@ -227,6 +227,36 @@ unsafe impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    fn hmin(self, a: __m256) -> f32 {
+        // SAFETY: AVX.
+        unsafe {
+            let x = _mm_min_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+            let x = _mm_min_ps(x, _mm_movehl_ps(x, x));
+            let x = _mm_min_ss(x, _mm_movehdup_ps(x));
+            _mm_cvtss_f32(x)
+        }
+    }
+    #[inline(always)]
+    fn min(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: AVX.
+        unsafe { _mm256_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn or_nonfinite(self, acc: __m256i, v: __m256) -> __m256i {
+        // SAFETY: AVX2.
+        unsafe { _mm256_or_si256(acc, _mm256_castps_si256(_mm256_sub_ps(v, v))) }
+    }
+    #[inline(always)]
+    fn any(self, v: __m256i) -> bool {
+        // SAFETY: AVX.
+        unsafe { _mm256_testz_si256(v, v) == 0 }
+    }
+    #[inline(always)]
+    fn zero_i(self) -> __m256i {
+        // SAFETY: AVX.
+        unsafe { _mm256_setzero_si256() }
+    }
+    #[inline(always)]
     fn mul(self, a: __m256, b: __m256) -> __m256 {
         // SAFETY: AVX.
         unsafe { _mm256_mul_ps(a, b) }
@@ -332,6 +362,15 @@ unsafe impl Simd for Avx2 {
     unsafe fn bcast(self, p: *const f32) -> __m256 {
         // SAFETY: the caller's contract (one float); AVX.
         unsafe { _mm256_set1_ps(*p) }
+    }
+    #[inline(always)]
+    unsafe fn store_u8_trunc(self, p: *mut u8, v: __m256) {
+        // SAFETY: the caller's contract (8 bytes); AVX2.
+        unsafe {
+            let c = _mm256_cvttps_epi32(v);
+            let w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+            _mm_storel_epi64(p as *mut __m128i, _mm_packus_epi16(w, w))
+        }
     }
     #[inline(always)]
     unsafe fn load_u8(self, p: *const u8) -> __m256i {

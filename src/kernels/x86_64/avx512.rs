@@ -195,6 +195,31 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_max_ps(a, b) }
     }
     #[inline(always)]
+    fn min(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn hmin(self, a: __m512) -> f32 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_reduce_min_ps(a) }
+    }
+    #[inline(always)]
+    fn or_nonfinite(self, acc: __m512i, v: __m512) -> __m512i {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_or_si512(acc, _mm512_castps_si512(_mm512_sub_ps(v, v))) }
+    }
+    #[inline(always)]
+    fn any(self, v: __m512i) -> bool {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_test_epi32_mask(v, v) != 0 }
+    }
+    #[inline(always)]
+    fn zero_i(self) -> __m512i {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_setzero_si512() }
+    }
+    #[inline(always)]
     fn exp(self, x: __m512) -> __m512 {
         use super::expc::*;
         // SAFETY: AVX-512F.
@@ -358,6 +383,14 @@ unsafe impl Simd for Avx512 {
     unsafe fn bcast(self, p: *const f32) -> __m512 {
         // SAFETY: the caller's contract (one float); AVX-512F.
         unsafe { _mm512_set1_ps(*p) }
+    }
+    #[inline(always)]
+    unsafe fn store_u8_trunc(self, p: *mut u8, v: __m512) {
+        // SAFETY: the caller's contract (16 bytes); AVX-512F.
+        unsafe {
+            let c = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v));
+            _mm_storeu_si128(p as *mut __m128i, c)
+        }
     }
     #[inline(always)]
     unsafe fn load_u8(self, p: *const u8) -> __m512i {

@@ -124,8 +124,19 @@ pub(crate) unsafe trait Simd: Copy {
     fn add(self, a: Self::F, b: Self::F) -> Self::F;
     /// `a - b`.
     fn sub(self, a: Self::F, b: Self::F) -> Self::F;
-    /// Lanewise maximum.
+    /// Lanewise maximum, `a > b ? a : b`.
     fn max(self, a: Self::F, b: Self::F) -> Self::F;
+    /// Lanewise minimum, `a < b ? a : b`.
+    fn min(self, a: Self::F, b: Self::F) -> Self::F;
+    /// The smallest lane.
+    fn hmin(self, a: Self::F) -> f32;
+    /// `acc` ORed with the bits of `v − v`: nonzero exactly in the lanes
+    /// where `v` is NaN or ±inf.
+    fn or_nonfinite(self, acc: Self::I, v: Self::F) -> Self::I;
+    /// Whether any bit of `v` is set.
+    fn any(self, v: Self::I) -> bool;
+    /// All bits zero.
+    fn zero_i(self) -> Self::I;
     /// `e^x` lanewise, within 2 ulp for `x ≥ -87.3` (Cephes' `expf`
     /// reduction and polynomial); `0` below (where `e^x` is subnormal or 0).
     fn exp(self, x: Self::F) -> Self::F;
@@ -158,6 +169,11 @@ pub(crate) unsafe trait Simd: Copy {
     /// # Safety
     /// `p` valid for reading `L` floats.
     unsafe fn load(self, p: *const f32) -> Self::F;
+    /// Truncate `L` lanes (each in `[0, 256)`) toward zero and store them
+    /// as `L` bytes.
+    /// # Safety
+    /// `p` valid for writing `L` bytes.
+    unsafe fn store_u8_trunc(self, p: *mut u8, v: Self::F);
     /// Store `L` floats.
     /// # Safety
     /// `p` valid for writing `L` floats.

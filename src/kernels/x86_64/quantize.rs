@@ -10,11 +10,11 @@
 //! produces **bit-identical** packed bytes (tested in
 //! `tests/kernels_backends.rs`); only the speed differs.
 
+use super::Simd;
 use super::{Avx2, Avx512};
 use crate::error::Result;
 use crate::quant::{self, code_of, QuantOps};
 use crate::scheme::Layout;
-use core::arch::x86_64::*;
 
 /// Generates the safe methods on a feature token and their
 /// `#[target_feature]` entry points.
@@ -91,10 +91,27 @@ quantize_entries!(
     block_avx512
 );
 
-/// Scalar tail of a min/max pass.
+/// [`QuantOps::min_max_finite`] over `S` vectors, scalar tail.
 #[inline(always)]
-fn tail_min_max(x: &[f32], mut lo: f32, mut hi: f32, mut ok: bool) -> (f32, f32, bool) {
-    for &v in x {
+fn min_max_finite<S: Simd>(s: S, x: &[f32]) -> (f32, f32, bool) {
+    let n = x.len() / S::L * S::L;
+    let (mut lo, mut hi, mut bad) = (
+        s.splat(f32::INFINITY),
+        s.splat(f32::NEG_INFINITY),
+        s.zero_i(),
+    );
+    let mut i = 0;
+    while i < n {
+        // SAFETY: `i + L ≤ n ≤ x.len()`.
+        let v = unsafe { s.load(x.as_ptr().add(i)) };
+        // `a < b ? a : b` with the value first: the scalar select exactly.
+        lo = s.min(v, lo);
+        hi = s.max(v, hi);
+        bad = s.or_nonfinite(bad, v);
+        i += S::L;
+    }
+    let (mut lo, mut hi, mut ok) = (s.hmin(lo), s.hmax(hi), !s.any(bad));
+    for &v in &x[n..] {
         lo = if v < lo { v } else { lo };
         hi = if v > hi { v } else { hi };
         ok &= v.is_finite();
@@ -102,186 +119,78 @@ fn tail_min_max(x: &[f32], mut lo: f32, mut hi: f32, mut ok: bool) -> (f32, f32,
     (lo, hi, ok)
 }
 
-impl QuantOps for Avx512 {
-    #[inline(always)]
-    fn min_max_finite(self, x: &[f32]) -> (f32, f32, bool) {
-        let n = x.len() / 16 * 16;
-        // SAFETY: `self` proves AVX-512F; loads at `i + 16 ≤ n ≤ x.len()`.
-        let (lo, hi, ok) = unsafe {
-            let mut lo = _mm512_set1_ps(f32::INFINITY);
-            let mut hi = _mm512_set1_ps(f32::NEG_INFINITY);
-            // `v − v` is +0 for finite `v`, NaN (nonzero bits) otherwise.
-            let mut bad = _mm512_setzero_si512();
-            let mut i = 0;
-            while i < n {
-                let v = _mm512_loadu_ps(x.as_ptr().add(i));
-                // minps(a, b) = a < b ? a : b, the scalar select exactly.
-                lo = _mm512_min_ps(v, lo);
-                hi = _mm512_max_ps(v, hi);
-                bad = _mm512_or_si512(bad, _mm512_castps_si512(_mm512_sub_ps(v, v)));
-                i += 16;
-            }
-            (
-                _mm512_reduce_min_ps(lo),
-                _mm512_reduce_max_ps(hi),
-                _mm512_test_epi32_mask(bad, bad) == 0,
-            )
-        };
-        tail_min_max(&x[n..], lo, hi, ok)
-    }
-
-    #[inline(always)]
-    fn codes(self, xs: &[f32], inv_scale: f32, zero: f32, max_code: f32, out: &mut [u8]) {
-        let len = xs.len().min(out.len());
-        let n = len / 16 * 16;
-        // SAFETY: `self` proves AVX-512F; 16 floats read and 16 bytes
-        // written at `i + 16 ≤ n ≤ len`.
-        unsafe {
-            let (vi, vz) = (_mm512_set1_ps(inv_scale), _mm512_set1_ps(zero));
-            let (vm, vh, v0) = (
-                _mm512_set1_ps(max_code),
-                _mm512_set1_ps(0.5),
-                _mm512_setzero_ps(),
-            );
-            let mut i = 0;
-            while i < n {
-                let v = _mm512_loadu_ps(xs.as_ptr().add(i));
-                let y = _mm512_mul_ps(_mm512_sub_ps(v, vz), vi);
-                let y = _mm512_add_ps(_mm512_min_ps(_mm512_max_ps(y, v0), vm), vh);
-                let c = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(y));
-                _mm_storeu_si128(out.as_mut_ptr().add(i) as *mut __m128i, c);
-                i += 16;
-            }
-        }
-        for i in n..len {
-            out[i] = code_of(xs[i], inv_scale, zero, max_code);
-        }
-    }
-
-    #[inline(always)]
-    fn codes_pc(self, xs: &[f32], inv: &[f32], zero: &[f32], max_code: f32, out: &mut [u8]) {
-        let len = xs.len().min(inv.len()).min(zero.len()).min(out.len());
-        let n = len / 16 * 16;
-        // SAFETY: as in `codes`, for all four slices.
-        unsafe {
-            let (vm, vh, v0) = (
-                _mm512_set1_ps(max_code),
-                _mm512_set1_ps(0.5),
-                _mm512_setzero_ps(),
-            );
-            let mut i = 0;
-            while i < n {
-                let v = _mm512_loadu_ps(xs.as_ptr().add(i));
-                let vz = _mm512_loadu_ps(zero.as_ptr().add(i));
-                let vi = _mm512_loadu_ps(inv.as_ptr().add(i));
-                let y = _mm512_mul_ps(_mm512_sub_ps(v, vz), vi);
-                let y = _mm512_add_ps(_mm512_min_ps(_mm512_max_ps(y, v0), vm), vh);
-                let c = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(y));
-                _mm_storeu_si128(out.as_mut_ptr().add(i) as *mut __m128i, c);
-                i += 16;
-            }
-        }
-        for i in n..len {
-            out[i] = code_of(xs[i], inv[i], zero[i], max_code);
-        }
-    }
-}
-
-/// Eight dwords (each < 256) to eight bytes, in order.
+/// `out[i] = code_of(xs[i], inv_i, zero_i, max_code)` over `S` vectors,
+/// with `params(i)` the vectors of `(1/scale, zero)` for lanes `i..i+L`
+/// and `scalar(i)` the same for one element of the tail.
 #[inline(always)]
-fn narrow8(c: __m256i) -> __m128i {
-    // SAFETY: only reached from code that holds an `Avx2` token.
-    unsafe {
-        let w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
-        _mm_packus_epi16(w, w)
+fn codes<S: Simd>(
+    s: S,
+    xs: &[f32],
+    out: &mut [u8],
+    max_code: f32,
+    params: impl Fn(usize) -> (S::F, S::F),
+    scalar: impl Fn(usize) -> (f32, f32),
+) {
+    let len = xs.len().min(out.len());
+    let n = len / S::L * S::L;
+    let (vm, vh, v0) = (s.splat(max_code), s.splat(0.5), s.zero());
+    let mut i = 0;
+    while i < n {
+        let (vi, vz) = params(i);
+        // SAFETY: `L` floats read and `L` bytes written at `i + L ≤ n ≤ len`.
+        unsafe {
+            let y = s.mul(s.sub(s.load(xs.as_ptr().add(i)), vz), vi);
+            // The operations of `code_of`, in its order.
+            let y = s.add(s.min(s.max(y, v0), vm), vh);
+            s.store_u8_trunc(out.as_mut_ptr().add(i), y);
+        }
+        i += S::L;
+    }
+    for i in n..len {
+        let (is, z) = scalar(i);
+        out[i] = code_of(xs[i], is, z, max_code);
     }
 }
 
-impl QuantOps for Avx2 {
-    #[inline(always)]
-    fn min_max_finite(self, x: &[f32]) -> (f32, f32, bool) {
-        let n = x.len() / 8 * 8;
-        // SAFETY: `self` proves AVX2; loads at `i + 8 ≤ n ≤ x.len()`.
-        let (lo, hi, ok) = unsafe {
-            let mut lo = _mm256_set1_ps(f32::INFINITY);
-            let mut hi = _mm256_set1_ps(f32::NEG_INFINITY);
-            let mut bad = _mm256_setzero_si256();
-            let mut i = 0;
-            while i < n {
-                let v = _mm256_loadu_ps(x.as_ptr().add(i));
-                lo = _mm256_min_ps(v, lo);
-                hi = _mm256_max_ps(v, hi);
-                bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_sub_ps(v, v)));
-                i += 8;
+/// The vector [`QuantOps`] of a feature token.
+macro_rules! quant_ops {
+    ($tok:ident) => {
+        impl QuantOps for $tok {
+            #[inline(always)]
+            fn min_max_finite(self, x: &[f32]) -> (f32, f32, bool) {
+                min_max_finite(self, x)
             }
-            let mut l = [0f32; 8];
-            let mut h = [0f32; 8];
-            _mm256_storeu_ps(l.as_mut_ptr(), lo);
-            _mm256_storeu_ps(h.as_mut_ptr(), hi);
-            let lo = l
-                .iter()
-                .fold(f32::INFINITY, |a, &b| if b < a { b } else { a });
-            let hi = h
-                .iter()
-                .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
-            (lo, hi, _mm256_testz_si256(bad, bad) == 1)
-        };
-        tail_min_max(&x[n..], lo, hi, ok)
-    }
-
-    #[inline(always)]
-    fn codes(self, xs: &[f32], inv_scale: f32, zero: f32, max_code: f32, out: &mut [u8]) {
-        let len = xs.len().min(out.len());
-        let n = len / 8 * 8;
-        // SAFETY: `self` proves AVX2; 8 floats read and 8 bytes written at
-        // `i + 8 ≤ n ≤ len`.
-        unsafe {
-            let (vi, vz) = (_mm256_set1_ps(inv_scale), _mm256_set1_ps(zero));
-            let (vm, vh, v0) = (
-                _mm256_set1_ps(max_code),
-                _mm256_set1_ps(0.5),
-                _mm256_setzero_ps(),
-            );
-            let mut i = 0;
-            while i < n {
-                let v = _mm256_loadu_ps(xs.as_ptr().add(i));
-                let y = _mm256_mul_ps(_mm256_sub_ps(v, vz), vi);
-                let y = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(y, v0), vm), vh);
-                let c = narrow8(_mm256_cvttps_epi32(y));
-                _mm_storel_epi64(out.as_mut_ptr().add(i) as *mut __m128i, c);
-                i += 8;
+            #[inline(always)]
+            fn codes(self, xs: &[f32], inv_scale: f32, zero: f32, max_code: f32, out: &mut [u8]) {
+                let (vi, vz) = (self.splat(inv_scale), self.splat(zero));
+                codes(self, xs, out, max_code, |_| (vi, vz), |_| (inv_scale, zero));
+            }
+            #[inline(always)]
+            fn codes_pc(
+                self,
+                xs: &[f32],
+                inv: &[f32],
+                zero: &[f32],
+                max_code: f32,
+                out: &mut [u8],
+            ) {
+                let n = xs.len().min(out.len());
+                let (inv, zero) = (&inv[..n], &zero[..n]);
+                let v = |i: usize| {
+                    // SAFETY: `codes` asks for lanes `i..i+L ≤ n` only,
+                    // and both slices hold `n` floats.
+                    unsafe {
+                        (
+                            self.load(inv.as_ptr().add(i)),
+                            self.load(zero.as_ptr().add(i)),
+                        )
+                    }
+                };
+                codes(self, xs, out, max_code, v, |i| (inv[i], zero[i]));
             }
         }
-        for i in n..len {
-            out[i] = code_of(xs[i], inv_scale, zero, max_code);
-        }
-    }
-
-    #[inline(always)]
-    fn codes_pc(self, xs: &[f32], inv: &[f32], zero: &[f32], max_code: f32, out: &mut [u8]) {
-        let len = xs.len().min(inv.len()).min(zero.len()).min(out.len());
-        let n = len / 8 * 8;
-        // SAFETY: as in `codes`, for all four slices.
-        unsafe {
-            let (vm, vh, v0) = (
-                _mm256_set1_ps(max_code),
-                _mm256_set1_ps(0.5),
-                _mm256_setzero_ps(),
-            );
-            let mut i = 0;
-            while i < n {
-                let v = _mm256_loadu_ps(xs.as_ptr().add(i));
-                let vz = _mm256_loadu_ps(zero.as_ptr().add(i));
-                let vi = _mm256_loadu_ps(inv.as_ptr().add(i));
-                let y = _mm256_mul_ps(_mm256_sub_ps(v, vz), vi);
-                let y = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(y, v0), vm), vh);
-                let c = narrow8(_mm256_cvttps_epi32(y));
-                _mm_storel_epi64(out.as_mut_ptr().add(i) as *mut __m128i, c);
-                i += 8;
-            }
-        }
-        for i in n..len {
-            out[i] = code_of(xs[i], inv[i], zero[i], max_code);
-        }
-    }
+    };
 }
+
+quant_ops!(Avx2);
+quant_ops!(Avx512);
