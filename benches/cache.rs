@@ -1,7 +1,11 @@
 //! Cache throughput: quantize/append (f32 input bytes per second).
 //!
 //! `cargo bench --bench cache`. The decode-attention benches, with the dense
-//! f32/f16 baselines, are in `benches/kernels.rs` and `benches/attend.rs`.
+//! f32/f16 baselines and the DRAM-read roofline, are in `benches/kernels.rs`.
+//!
+//! Throughput is f32 input bytes per second on one core (the quantizer and
+//! `append`/`extend` are single-threaded); `docs/PERFORMANCE.md` has the
+//! numbers.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvq::{

@@ -10,7 +10,8 @@
 //!
 //! Groups are `scores/hd{D}/q{N}`, `weighted_sum/hd{D}/q{N}` (one KV head,
 //! `N` query heads sharing it) and `attend/hd128/q{N}` (8 KV heads, two
-//! threads, cold cache). Each benchmark is `BenchmarkId::new("<backend>
+//! threads, layer copies rotated through 1 GiB so every call reads DRAM,
+//! with a `dram-read` roofline of the f16 cache's bytes). Each benchmark is `BenchmarkId::new("<backend>
 //! <scheme>" or "dense-f16"/"dense-f32", context)`, with
 //! `Throughput::Bytes` of cache streamed (codes + scales + zeros, or the
 //! dense rows), so criterion's GB/s are comparable across schemes.
