@@ -685,13 +685,20 @@ mod tests {
     /// on pseudo-random f32 bit patterns of every exponent.
     #[test]
     fn directed_rounding_matches_half() {
-        fn oracle_f16(x: f32) -> f32 {
-            let h = f16::from_f32(x);
-            if h.to_f32() >= x || h.is_nan() {
-                return h.to_f32();
+        /// Round to nearest with `half`, then one step up if below.
+        fn oracle<T: Copy>(
+            x: f32,
+            from: fn(f32) -> T,
+            to: fn(T) -> f32,
+            bits: fn(T) -> u16,
+            of: fn(u16) -> T,
+        ) -> f32 {
+            let h = from(x);
+            let v = to(h);
+            if v >= x || v.is_nan() {
+                return v;
             }
-            let v = h.to_f32();
-            let b = h.to_bits();
+            let b = bits(h);
             let n = if v == 0.0 {
                 1
             } else if v > 0.0 {
@@ -699,24 +706,18 @@ mod tests {
             } else {
                 b - 1
             };
-            f16::from_bits(n).to_f32()
+            to(of(n))
         }
-        fn oracle_bf16(x: f32) -> f32 {
-            let h = bf16::from_f32(x);
-            if h.to_f32() >= x || h.is_nan() {
-                return h.to_f32();
-            }
-            let v = h.to_f32();
-            let b = h.to_bits();
-            let n = if v == 0.0 {
-                1
-            } else if v > 0.0 {
-                b + 1
-            } else {
-                b - 1
-            };
-            bf16::from_bits(n).to_f32()
-        }
+        let oracle_f16 = |x| oracle(x, f16::from_f32, f16::to_f32, f16::to_bits, f16::from_bits);
+        let oracle_bf16 = |x| {
+            oracle(
+                x,
+                bf16::from_f32,
+                bf16::to_f32,
+                bf16::to_bits,
+                bf16::from_bits,
+            )
+        };
         let mut xs: Vec<f32> = Vec::new();
         for h in 0..=0xFFFFu16 {
             let v = f16::from_bits(h).to_f32();
