@@ -1,6 +1,8 @@
 //! x86-64 kernels: AVX2+FMA+F16C ([`avx2`]) and AVX-512F/BW/VL
 //! ([`avx512`]), both written once, generically, in [`tile`] over the small
 //! [`Simd`] vocabulary that each of the two files implements.
+//! [`quantize`] compiles the quantizer's driver for both and gives it
+//! vector loops over the same vocabulary.
 //!
 //! # How a kernel runs
 //!
