@@ -1343,8 +1343,14 @@ pub(super) fn dense_scores<S: Simd, E: DenseElem>(
     let full = hd / S::L;
     let tail = full * S::L;
     let kp = k.as_ptr();
+    let row = hd * std::mem::size_of::<E>();
     let mut t0 = 0;
     while t0 + S::T <= t_all {
+        // The same software prefetch as the packed kernels (a fair baseline).
+        prefetch(
+            (kp as *const u8).wrapping_add((t0 + PREFETCH_TOKENS) * row),
+            S::T * row,
+        );
         for i in 0..nq {
             let qi = &q[i * hd..(i + 1) * hd];
             let mut acc = [s.zero(); 16];
@@ -1411,8 +1417,13 @@ pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(
     let full = hd / S::L;
     let tail = full * S::L;
     let vp = v.as_ptr();
+    let row = hd * std::mem::size_of::<E>();
     let mut t0 = 0;
     while t0 + S::T <= t_all {
+        prefetch(
+            (vp as *const u8).wrapping_add((t0 + PREFETCH_TOKENS) * row),
+            S::T * row,
+        );
         for i in 0..nq {
             let pi = &p[i * t_all + t0..i * t_all + t0 + S::T];
             let oi = &mut out[i * hd..(i + 1) * hd];
