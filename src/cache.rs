@@ -355,7 +355,7 @@ impl Tensor {
     }
 
     /// Store one checked row at position `pos`.
-    fn push(&mut self, row: &[f32], pos: usize, scratch: &mut Scratch) {
+    fn push(&mut self, row: &[f32], pos: usize, backend: Backend, scratch: &mut Scratch) {
         if pos < self.sinks {
             self.sink.extend_from_slice(row);
             return;
@@ -363,12 +363,12 @@ impl Tensor {
         self.tail.extend_from_slice(row);
         let unit = self.unit();
         while unit != usize::MAX && self.tail_rows() >= self.residual + unit {
-            self.flush(unit, scratch);
+            self.flush(unit, backend, scratch);
         }
     }
 
     /// Quantize the oldest `unit` tail rows.
-    fn flush(&mut self, unit: usize, scratch: &mut Scratch) {
+    fn flush(&mut self, unit: usize, backend: Backend, scratch: &mut Scratch) {
         let l = self.layout.expect("flush needs a scheme");
         let rb = l.row_bytes();
         let w = self.width;
@@ -379,7 +379,7 @@ impl Tensor {
                 scratch.codes.resize(l.n_kv_heads() * rb, 0);
                 scratch.params.resize(l.param_bytes(1), 0);
                 quantize_token(
-                    scratch.backend.unwrap_or_else(Backend::detect),
+                    backend,
                     &l,
                     rows,
                     token,
@@ -400,7 +400,7 @@ impl Tensor {
                 scratch.params.resize(l.head_param_bytes(unit), 0);
                 for h in 0..l.n_kv_heads() {
                     quantize_channel_block(
-                        scratch.backend.unwrap_or_else(Backend::detect),
+                        backend,
                         &l,
                         rows,
                         unit,
@@ -527,8 +527,6 @@ struct Scratch {
     v: Vec<f32>,
     codes: Vec<u8>,
     params: Vec<u8>,
-    /// The quantizer's backend (`None`: detect).
-    backend: Option<Backend>,
 }
 
 /// The quantized K/V cache of one attention layer.
@@ -687,12 +685,13 @@ impl LayerCache {
         let mut q = Scratch {
             codes: std::mem::take(&mut s.codes),
             params: std::mem::take(&mut s.params),
-            backend: Some(self.backend),
             ..Scratch::default()
         };
         for i in 0..n {
-            self.k.push(&k[i * w..(i + 1) * w], self.len, &mut q);
-            self.v.push(&v[i * w..(i + 1) * w], self.len, &mut q);
+            self.k
+                .push(&k[i * w..(i + 1) * w], self.len, self.backend, &mut q);
+            self.v
+                .push(&v[i * w..(i + 1) * w], self.len, self.backend, &mut q);
             self.len += 1;
         }
         s.codes = q.codes;

@@ -384,8 +384,32 @@ pub(crate) fn inv(scale: f32) -> f32 {
     }
 }
 
-/// [`quantize_token_generic`] on `backend` (the SIMD backends compile the
-/// same loops at their vector width; the bytes are identical).
+/// Call `$method` on the token of `$backend` (the SIMD backends compile
+/// the generic driver with their vector loops), or `$generic` with the
+/// portable loops when the backend is portable or the CPU lacks it. The
+/// bytes are identical either way.
+macro_rules! on_backend {
+    ($backend:expr, $method:ident, $generic:ident, $($arg:expr),*) => {{
+        #[cfg(target_arch = "x86_64")]
+        match $backend {
+            Backend::Avx512 => {
+                if let Some(s) = crate::kernels::x86_64::Avx512::new() {
+                    return s.$method($($arg),*);
+                }
+            }
+            Backend::Avx2 => {
+                if let Some(s) = crate::kernels::x86_64::Avx2::new() {
+                    return s.$method($($arg),*);
+                }
+            }
+            Backend::Portable => {}
+        }
+        let _ = $backend;
+        $generic(Scalar, $($arg),*)
+    }};
+}
+
+/// [`quantize_token_generic`] on `backend`.
 pub(crate) fn quantize_token(
     backend: Backend,
     l: &Layout,
@@ -394,22 +418,16 @@ pub(crate) fn quantize_token(
     codes: &mut [u8],
     params: &mut [u8],
 ) -> Result<()> {
-    #[cfg(target_arch = "x86_64")]
-    match backend {
-        Backend::Avx512 => {
-            if let Some(s) = crate::kernels::x86_64::Avx512::new() {
-                return s.quantize_token(l, x, token, codes, params);
-            }
-        }
-        Backend::Avx2 => {
-            if let Some(s) = crate::kernels::x86_64::Avx2::new() {
-                return s.quantize_token(l, x, token, codes, params);
-            }
-        }
-        Backend::Portable => {}
-    }
-    let _ = backend;
-    quantize_token_generic(Scalar, l, x, token, codes, params)
+    on_backend!(
+        backend,
+        quantize_token,
+        quantize_token_generic,
+        l,
+        x,
+        token,
+        codes,
+        params
+    )
 }
 
 /// [`quantize_channel_block_generic`] on `backend`.
@@ -424,22 +442,18 @@ pub(crate) fn quantize_channel_block(
     codes: &mut [u8],
     params: &mut [u8],
 ) -> Result<()> {
-    #[cfg(target_arch = "x86_64")]
-    match backend {
-        Backend::Avx512 => {
-            if let Some(s) = crate::kernels::x86_64::Avx512::new() {
-                return s.quantize_channel_block(l, rows, tb, h, token0, codes, params);
-            }
-        }
-        Backend::Avx2 => {
-            if let Some(s) = crate::kernels::x86_64::Avx2::new() {
-                return s.quantize_channel_block(l, rows, tb, h, token0, codes, params);
-            }
-        }
-        Backend::Portable => {}
-    }
-    let _ = backend;
-    quantize_channel_block_generic(Scalar, l, rows, tb, h, token0, codes, params)
+    on_backend!(
+        backend,
+        quantize_channel_block,
+        quantize_channel_block_generic,
+        l,
+        rows,
+        tb,
+        h,
+        token0,
+        codes,
+        params
+    )
 }
 
 /// Quantize one token (all heads; `x` is `[n_kv_heads·head_dim]`, finite).

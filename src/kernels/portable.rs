@@ -17,6 +17,7 @@ pub(crate) fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     let t_all = head.tokens();
     let nq = q.len() / hd;
     let mut cf = vec![0f32; hd];
+    let mut cb = vec![0u8; hd];
     match l.scheme().axis() {
         Axis::PerToken => {
             let gpr = l.groups_per_row();
@@ -26,7 +27,7 @@ pub(crate) fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
             let mut sc = vec![0f32; gpr];
             let mut ze = vec![0f32; gpr];
             for t in 0..t_all {
-                unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cf);
+                unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cb, &mut cf);
                 head.params_into(t, &mut sc, &mut ze);
                 for i in 0..nq {
                     let qi = &q[i * hd..(i + 1) * hd];
@@ -56,7 +57,7 @@ pub(crate) fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
                     bias[i] = dot(qi, &ze);
                 }
                 for t in k * g..((k + 1) * g).min(t_all) {
-                    unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cf);
+                    unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cb, &mut cf);
                     for i in 0..nq {
                         out[i * t_all + t] = dot(&qs[i * hd..(i + 1) * hd], &cf) + bias[i];
                     }
@@ -74,6 +75,7 @@ pub(crate) fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let t_all = head.tokens();
     let nq = out.len() / hd;
     let mut cf = vec![0f32; hd];
+    let mut cb = vec![0u8; hd];
     let mut acc = vec![0f32; nq * hd];
     match l.scheme().axis() {
         Axis::PerToken => {
@@ -83,7 +85,7 @@ pub(crate) fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
             let mut ze = vec![0f32; gpr];
             let mut zacc = vec![0f32; nq * gpr];
             for t in 0..t_all {
-                unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cf);
+                unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cb, &mut cf);
                 head.params_into(t, &mut sc, &mut ze);
                 for i in 0..nq {
                     let pt = p[i * t_all + t];
@@ -112,7 +114,7 @@ pub(crate) fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
                 acc.fill(0.0);
                 let mut psum = vec![0f32; nq];
                 for t in k * g..((k + 1) * g).min(t_all) {
-                    unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cf);
+                    unpack_f32(&head.codes[t * rb..(t + 1) * rb], bits, &mut cb, &mut cf);
                     for i in 0..nq {
                         let pt = p[i * t_all + t];
                         psum[i] += pt;
@@ -130,34 +132,13 @@ pub(crate) fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Unpack a row of codes (see [`pack`]) straight to floats, plane by
-/// plane: field `f` of the plane's `m` bytes is elements `f·m .. f·m + m`,
-/// so each field is one simple loop the compiler vectorizes, and a higher
-/// plane adds its bits as `field·2^shift` (exact: codes are below 256).
-fn unpack_f32(packed: &[u8], bits: u8, out: &mut [f32]) {
-    let n = out.len();
-    let (pl, np) = pack::planes(bits);
-    let mut off = 0;
-    for (idx, &(p, shift)) in pl[..np].iter().enumerate() {
-        let k = 8 / p as usize;
-        let m = n / k;
-        let mask = ((1u16 << p) - 1) as u8;
-        let src = &packed[off..off + m];
-        let w = (1u32 << shift) as f32;
-        for f in 0..k {
-            let o = &mut out[f * m..(f + 1) * m];
-            let sh = p as usize * f;
-            if idx == 0 {
-                for (d, &s) in o.iter_mut().zip(src) {
-                    *d = ((s >> sh) & mask) as f32;
-                }
-            } else {
-                for (d, &s) in o.iter_mut().zip(src) {
-                    *d += ((s >> sh) & mask) as f32 * w;
-                }
-            }
-        }
-        off += m;
+/// Unpack a row of codes (see [`pack`]) through the `u8` scratch `tmp`
+/// (`out.len()` bytes) and widen them to floats (exact: codes are below
+/// 256).
+fn unpack_f32(packed: &[u8], bits: u8, tmp: &mut [u8], out: &mut [f32]) {
+    pack::unpack(packed, bits, tmp);
+    for (o, &c) in out.iter_mut().zip(tmp.iter()) {
+        *o = c as f32;
     }
 }
 
