@@ -55,6 +55,13 @@ pub(super) fn prefetch(p: *const u8, len: usize) {
     }
 }
 
+/// Prefetch the stream `base` of `per` bytes per token for the `n` tokens
+/// [`PREFETCH_TOKENS`] after token `t0`.
+#[inline(always)]
+pub(super) fn prefetch_ahead(base: *const u8, per: usize, t0: usize, n: usize) {
+    prefetch(base.wrapping_add((t0 + PREFETCH_TOKENS) * per), n * per);
+}
+
 /// A zeroed `f32` buffer whose start is 64-byte aligned (whole cache lines,
 /// so a 512-bit load never splits one).
 pub(super) struct Buf {
@@ -753,14 +760,10 @@ impl TileParams {
     fn load<S: Simd>(&mut self, s: S, head: &PackedHead<'_>, t0: usize, n: usize) {
         let fb = self.p.fmt.bytes();
         let src = &head.params()[t0 * self.vals * fb..(t0 + n) * self.vals * fb];
-        let per = self.vals * fb;
-        prefetch(src.as_ptr().wrapping_add(PREFETCH_TOKENS * per), n * per);
-        let rb = head.layout().row_bytes();
-        let codes = head
-            .codes()
-            .as_ptr()
-            .wrapping_add((t0 + PREFETCH_TOKENS) * rb);
-        prefetch(codes, n * rb);
+        // Every per-token path loads a tile's params here: prefetch both
+        // of its streams, params and codes.
+        prefetch_ahead(head.params().as_ptr(), self.vals * fb, t0, n);
+        prefetch_ahead(head.codes().as_ptr(), head.layout().row_bytes(), t0, n);
         cvt_params(s, self.p.fmt, src, &mut self.conv.m()[..n * self.vals]);
         if self.p.sym {
             scale_into(s, &self.conv.s()[..n * self.gpr], -self.p.half, self.zs.m());
@@ -894,7 +897,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                 while t0 < t_end {
                     let n = S::T.min(t_end - t0);
                     let rows = codes.wrapping_add(t0 * g.rb);
-                    prefetch(rows.wrapping_add(PREFETCH_TOKENS * g.rb), n * g.rb);
+                    prefetch_ahead(codes, g.rb, t0, n);
                     for i in 0..nq {
                         // SAFETY: rows `t0..t0+n ≤ tokens` are in `codes`
                         // (check_head); the scratch holds `T` rows of `hdp`,
@@ -1347,10 +1350,7 @@ pub(super) fn dense_scores<S: Simd, E: DenseElem>(
     let mut t0 = 0;
     while t0 + S::T <= t_all {
         // The same software prefetch as the packed kernels (a fair baseline).
-        prefetch(
-            (kp as *const u8).wrapping_add((t0 + PREFETCH_TOKENS) * row),
-            S::T * row,
-        );
+        prefetch_ahead(kp as *const u8, row, t0, S::T);
         for i in 0..nq {
             let qi = &q[i * hd..(i + 1) * hd];
             let mut acc = [s.zero(); 16];
@@ -1420,10 +1420,7 @@ pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(
     let row = hd * std::mem::size_of::<E>();
     let mut t0 = 0;
     while t0 + S::T <= t_all {
-        prefetch(
-            (vp as *const u8).wrapping_add((t0 + PREFETCH_TOKENS) * row),
-            S::T * row,
-        );
+        prefetch_ahead(vp as *const u8, row, t0, S::T);
         for i in 0..nq {
             let pi = &p[i * t_all + t0..i * t_all + t0 + S::T];
             let oi = &mut out[i * hd..(i + 1) * hd];
