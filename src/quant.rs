@@ -350,6 +350,50 @@ pub(crate) trait QuantOps: Copy {
     /// `out[c] = code_of(xs[c], inv[c], zero[c], max_code)` (one row of a
     /// per-channel block).
     fn codes_pc(self, xs: &[f32], inv: &[f32], zero: &[f32], max_code: f32, out: &mut [u8]);
+    /// [`group_params`] of every group `i` (`mins[i]`, `maxs[i]`) into
+    /// `scales[i]`, `zeros[i]`; `Err(i)` names the first group that
+    /// overflows (its outputs and later ones are unspecified).
+    #[inline(always)]
+    fn group_params(
+        self,
+        s: &QuantScheme,
+        mins: &[f32],
+        maxs: &[f32],
+        scales: &mut [f32],
+        zeros: &mut [f32],
+    ) -> std::result::Result<(), usize> {
+        group_params_each(s, mins, maxs, scales, zeros)
+    }
+    /// `fmt.write` of every value of `vals` (each representable in `fmt`)
+    /// into consecutive slots of `out`.
+    #[inline(always)]
+    fn write_params(self, fmt: ScaleFormat, vals: &[f32], out: &mut [u8]) {
+        write_params_each(fmt, vals, out)
+    }
+}
+
+/// [`QuantOps::group_params`], one group at a time.
+#[inline(always)]
+pub(crate) fn group_params_each(
+    s: &QuantScheme,
+    mins: &[f32],
+    maxs: &[f32],
+    scales: &mut [f32],
+    zeros: &mut [f32],
+) -> std::result::Result<(), usize> {
+    for (i, (((&mn, &mx), sc), ze)) in mins.iter().zip(maxs).zip(scales).zip(zeros).enumerate() {
+        (*sc, *ze) = group_params(s, mn, mx).map_err(|_| i)?;
+    }
+    Ok(())
+}
+
+/// [`QuantOps::write_params`], one value at a time.
+#[inline(always)]
+pub(crate) fn write_params_each(fmt: ScaleFormat, vals: &[f32], out: &mut [u8]) {
+    let fb = fmt.bytes();
+    for (&v, o) in vals.iter().zip(out.chunks_exact_mut(fb)) {
+        fmt.write(v, o);
+    }
 }
 
 /// The portable loops.
@@ -527,37 +571,81 @@ fn token_groups<const G: usize, O: QuantOps>(
     let s = l.scheme();
     let fmt = s.scale_format();
     let fb = fmt.bytes();
-    let hd = l.head_dim();
     let gl = if G > 0 { G } else { l.channels_per_group() };
     let max_code = ((1u32 << s.bits()) - 1) as f32;
     let sym = s.mode() == Mode::Symmetric;
     let gpr = l.groups_per_row();
-    let per_head = gpr * s.param_bytes();
     let rb = l.row_bytes();
-    for h in 0..l.n_kv_heads() {
-        let xh = &x[h * hd..(h + 1) * hd];
-        let ph = &mut params[h * per_head..(h + 1) * per_head];
-        for (g, (xs, cs)) in xh
-            .chunks_exact(gl)
-            .zip(tmp.chunks_exact_mut(gl))
-            .enumerate()
-        {
-            let (mn, mx, ok) = ops.min_max_finite(xs);
+    // Groups in batches: min/max of each (stopping at a non-finite
+    // value), the batch's params at once (vector code on AVX-512), then
+    // params bytes and codes, packing each head's row when it is complete.
+    let total = l.n_kv_heads() * gpr;
+    let (mut mins, mut maxs) = ([0f32; PARAM_BATCH], [0f32; PARAM_BATCH]);
+    let (mut scales, mut zeros) = ([0f32; PARAM_BATCH], [0f32; PARAM_BATCH]);
+    let overflow_at = |k: usize, mn: f32, mx: f32| -> Error {
+        let (what, value) = group_params(s, mn, mx).expect_err("the batch saw an overflow");
+        overflow(fmt, what, value, token, k / gpr, k % gpr)
+    };
+    let mut k0 = 0;
+    while k0 < total {
+        let nb = PARAM_BATCH.min(total - k0);
+        let mut finite = nb;
+        for b in 0..nb {
+            let k = k0 + b;
+            let (mn, mx, ok) = ops.min_max_finite(&x[k * gl..(k + 1) * gl]);
             if !ok {
-                return Err(nonfinite(l, x, token));
+                finite = b;
+                break;
             }
-            let (scale, zero) = group_params(s, mn, mx)
-                .map_err(|(what, value)| overflow(fmt, what, value, token, h, g))?;
-            fmt.write(scale, &mut ph[g * fb..(g + 1) * fb]);
-            if !sym {
-                fmt.write(zero, &mut ph[(gpr + g) * fb..(gpr + g + 1) * fb]);
-            }
-            codes_into(ops, xs, scale, zero, max_code, cs);
+            (mins[b], maxs[b]) = (mn, mx);
         }
-        crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
+        let r = ops.group_params(
+            s,
+            &mins[..finite],
+            &maxs[..finite],
+            &mut scales[..finite],
+            &mut zeros[..finite],
+        );
+        // Group order decides which fault is reported: an overflow before
+        // the first non-finite group, else the non-finite value.
+        if let Err(b) = r {
+            return Err(overflow_at(k0 + b, mins[b], maxs[b]));
+        }
+        if finite < nb {
+            return Err(nonfinite(l, x, token));
+        }
+        let mut b = 0;
+        while b < nb {
+            // The batch's groups of one head: `g0..g1`.
+            let (h, g0) = ((k0 + b) / gpr, (k0 + b) % gpr);
+            let g1 = gpr.min(g0 + nb - b);
+            let ph = &mut params[h * gpr * s.param_bytes()..][..gpr * s.param_bytes()];
+            ops.write_params(fmt, &scales[b..b + g1 - g0], &mut ph[g0 * fb..g1 * fb]);
+            if !sym {
+                ops.write_params(
+                    fmt,
+                    &zeros[b..b + g1 - g0],
+                    &mut ph[(gpr + g0) * fb..(gpr + g1) * fb],
+                );
+            }
+            for g in g0..g1 {
+                let xs = &x[(h * gpr + g) * gl..(h * gpr + g + 1) * gl];
+                let (sc, ze) = (scales[b + g - g0], zeros[b + g - g0]);
+                codes_into(ops, xs, sc, ze, max_code, &mut tmp[g * gl..(g + 1) * gl]);
+            }
+            if g1 == gpr {
+                crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
+            }
+            b += g1 - g0;
+        }
+        k0 += nb;
     }
     Ok(())
 }
+
+/// Groups whose params are computed together (stack buffers of this many
+/// floats).
+const PARAM_BATCH: usize = 64;
 
 /// The [`Error::NonFinite`] for a token row known to hold a NaN or ±inf.
 #[cold]
@@ -610,20 +698,18 @@ pub(crate) fn quantize_channel_block_generic<O: QuantOps>(
             },
         );
     }
-    let mut inv_s = vec![0f32; hd];
     let mut zeros = vec![0f32; hd];
     let mut scales = vec![0f32; hd];
-    for c in 0..hd {
-        let (scale, zero) = group_params(s, mins[c], maxs[c])
-            .map_err(|(what, value)| overflow(fmt, what, value, token0, h, c))?;
-        fmt.write(scale, &mut params[c * fb..(c + 1) * fb]);
-        if !sym {
-            fmt.write(zero, &mut params[(hd + c) * fb..(hd + c + 1) * fb]);
-        }
-        inv_s[c] = inv(scale);
-        zeros[c] = zero;
-        scales[c] = scale;
+    if let Err(c) = ops.group_params(s, &mins, &maxs, &mut scales, &mut zeros) {
+        let (what, value) =
+            group_params(s, mins[c], maxs[c]).expect_err("the batch saw an overflow");
+        return Err(overflow(fmt, what, value, token0, h, c));
     }
+    ops.write_params(fmt, &scales, &mut params[..hd * fb]);
+    if !sym {
+        ops.write_params(fmt, &zeros, &mut params[hd * fb..2 * hd * fb]);
+    }
+    let inv_s: Vec<f32> = scales.iter().map(|&sc| inv(sc)).collect();
     // Channels whose 1/scale overflows f32 (subnormal groups) take the f64 path.
     let tiny: Vec<usize> = (0..hd).filter(|&c| !inv_s[c].is_finite()).collect();
     let rb = l.row_bytes();

@@ -14,7 +14,7 @@ use super::Simd;
 use super::{Avx2, Avx512};
 use crate::error::Result;
 use crate::quant::{self, code_of, QuantOps};
-use crate::scheme::Layout;
+use crate::scheme::{Layout, QuantScheme, ScaleFormat};
 
 /// Generates the safe methods on a feature token and their
 /// `#[target_feature]` entry points.
@@ -154,8 +154,9 @@ fn codes<S: Simd>(
 
 /// The vector [`QuantOps`] of a feature token.
 macro_rules! quant_ops {
-    ($tok:ident) => {
+    ($tok:ident $(, { $($extra:tt)* })?) => {
         impl QuantOps for $tok {
+            $($($extra)*)?
             #[inline(always)]
             fn min_max_finite(self, x: &[f32]) -> (f32, f32, bool) {
                 min_max_finite(self, x)
@@ -193,4 +194,114 @@ macro_rules! quant_ops {
 }
 
 quant_ops!(Avx2);
-quant_ops!(Avx512);
+quant_ops!(Avx512, {
+    #[inline(always)]
+    fn group_params(
+        self,
+        s: &QuantScheme,
+        mins: &[f32],
+        maxs: &[f32],
+        scales: &mut [f32],
+        zeros: &mut [f32],
+    ) -> std::result::Result<(), usize> {
+        Avx512::group_params(self, s, mins, maxs, scales, zeros)
+    }
+    #[inline(always)]
+    fn write_params(self, fmt: ScaleFormat, vals: &[f32], out: &mut [u8]) {
+        Avx512::write_params(self, fmt, vals, out)
+    }
+});
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheme::{Axis, Group, Mode};
+
+    /// xorshift64.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        /// Finite f32s of every magnitude: random bits (subnormals, huge
+        /// values), values near the f16 range edges, zeros, and small
+        /// integers.
+        fn value(&mut self) -> f32 {
+            let r = self.next();
+            let x = match r % 6 {
+                0 => f32::from_bits((r >> 32) as u32),
+                1 => f32::from_bits((r >> 8) as u32 & 0x807F_FFFF | 0x4700_0000),
+                2 => (r >> 40) as f32 * 1e-12,
+                3 => 0.0,
+                4 => ((r >> 32) as i32 % 9) as f32,
+                _ => f32::from_bits((r >> 16) as u32 & 0x80FF_FFFF | 0x3800_0000),
+            };
+            if x.is_finite() {
+                x
+            } else {
+                1.0
+            }
+        }
+    }
+
+    /// The AVX-512 group params are bit-identical to the scalar ones, and
+    /// report the same first overflowing group, for every width, mode and
+    /// format over values of every magnitude.
+    #[test]
+    fn avx512_group_params_match_scalar() {
+        let Some(s) = Avx512::new() else {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        };
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        let mut errs = 0;
+        for bits in 1..=8u8 {
+            for mode in [Mode::Asymmetric, Mode::Symmetric] {
+                if mode == Mode::Symmetric && bits < 2 {
+                    continue;
+                }
+                for fmt in [ScaleFormat::F16, ScaleFormat::Bf16, ScaleFormat::F32] {
+                    let sc = QuantScheme::new(bits, Axis::PerToken, Group::Size(32))
+                        .unwrap()
+                        .with_mode(mode)
+                        .unwrap()
+                        .with_scale_format(fmt);
+                    for _ in 0..400 {
+                        let n = 1 + (rng.next() % 40) as usize;
+                        let (mut mins, mut maxs) = (vec![0f32; n], vec![0f32; n]);
+                        for i in 0..n {
+                            let (a, b) = (rng.value(), rng.value());
+                            (mins[i], maxs[i]) = if a <= b { (a, b) } else { (b, a) };
+                        }
+                        let (mut s1, mut z1) = (vec![0f32; n], vec![0f32; n]);
+                        let (mut s2, mut z2) = (vec![0f32; n], vec![0f32; n]);
+                        let want = quant::group_params_each(&sc, &mins, &maxs, &mut s1, &mut z1);
+                        let got = s.group_params(&sc, &mins, &maxs, &mut s2, &mut z2);
+                        assert_eq!(want, got, "{} {mins:?} {maxs:?}", sc.label());
+                        let upto = want.err().unwrap_or(n);
+                        errs += usize::from(upto < n);
+                        for i in 0..upto {
+                            assert_eq!(
+                                (s1[i].to_bits(), z1[i].to_bits()),
+                                (s2[i].to_bits(), z2[i].to_bits()),
+                                "{} group {i}: min {} max {}",
+                                sc.label(),
+                                mins[i],
+                                maxs[i]
+                            );
+                        }
+                        let fb = fmt.bytes();
+                        let (mut b1, mut b2) = (vec![0u8; upto * fb], vec![0u8; upto * fb]);
+                        quant::write_params_each(fmt, &s1[..upto], &mut b1);
+                        s.write_params(fmt, &s1[..upto], &mut b2);
+                        assert_eq!(b1, b2, "{}", sc.label());
+                    }
+                }
+            }
+        }
+        assert!(errs > 50, "only {errs} overflow cases");
+    }
+}
