@@ -58,7 +58,9 @@
 use crate::element::{as_f32, widen_into, Element};
 use crate::error::{Error, Result};
 use crate::kernels::{self, axpy, dot, Backend};
-use crate::quant::{check_finite, check_len, group_params, quantize_channel_block, quantize_token};
+use crate::quant::{
+    abs_max_finite, check_finite, check_len, group_params, quantize_channel_block, quantize_token,
+};
 use crate::scheme::{check_shape, Axis, Layout, QuantScheme};
 use crate::store::PackedHead;
 
@@ -269,10 +271,12 @@ impl Tensor {
 
     /// Check that `rows` (tokens at positions `pos0..`) can be stored, and
     /// advance the per-channel pending state in `pend` accordingly.
+    /// `abs_max` is the largest `|x|` of `rows` (all finite).
     fn check(
         &self,
         what: &'static str,
         rows: &[f32],
+        abs_max: f32,
         pos0: usize,
         pend: &mut (Vec<f32>, Vec<f32>),
     ) -> Result<()> {
@@ -281,7 +285,7 @@ impl Tensor {
         let pc = s.axis() == Axis::PerChannel;
         // Common case: every value is small enough that no scale can
         // overflow; only the per-channel running range needs updating.
-        if crate::quant::abs_max(rows) <= crate::quant::safe_abs(s.scale_format()) {
+        if abs_max <= crate::quant::safe_abs(s.scale_format()) {
             if pc {
                 self.advance_pending(rows, pos0, pend);
             }
@@ -337,7 +341,13 @@ impl Tensor {
     fn advance_pending(&self, rows: &[f32], pos0: usize, pend: &mut (Vec<f32>, Vec<f32>)) {
         let g = self.layout.map_or(1, |l| l.group_len());
         let (mn, mx) = pend;
-        for (i, row) in rows.chunks_exact(self.width).enumerate() {
+        // Only the rows from the last block start on decide the state.
+        let n = rows.len() / self.width;
+        let last_start = (0..n)
+            .rev()
+            .find(|&i| pos0 + i >= self.sinks && (pos0 + i - self.sinks).is_multiple_of(g))
+            .unwrap_or(0);
+        for (i, row) in rows.chunks_exact(self.width).enumerate().skip(last_start) {
             let pos = pos0 + i;
             if pos < self.sinks {
                 continue;
@@ -354,25 +364,119 @@ impl Tensor {
         }
     }
 
-    /// Store one checked row at position `pos`.
-    fn push(&mut self, row: &[f32], pos: usize, backend: Backend, scratch: &mut Scratch) {
-        if pos < self.sinks {
-            self.sink.extend_from_slice(row);
+    /// Store checked rows at positions `pos0..`: sink positions first,
+    /// then the tail; every unit of rows that leaves the residual window is
+    /// quantized, straight from `rows` when none of its rows is in the tail
+    /// yet (so prefill copies only the rows that stay full precision). The
+    /// same bytes as storing the rows one at a time: units are always the
+    /// oldest `unit` unquantized rows.
+    fn push_rows(&mut self, rows: &[f32], pos0: usize, backend: Backend, scratch: &mut Scratch) {
+        let w = self.width;
+        let n_sink = self.sinks.saturating_sub(pos0).min(rows.len() / w);
+        self.sink.extend_from_slice(&rows[..n_sink * w]);
+        let rows = &rows[n_sink * w..];
+        let m = rows.len() / w;
+        let unit = self.unit();
+        if m == 0 || unit == usize::MAX {
+            self.tail.extend_from_slice(rows);
             return;
         }
-        self.tail.extend_from_slice(row);
-        let unit = self.unit();
-        while unit != usize::MAX && self.tail_rows() >= self.residual + unit {
+        let live = self.tail_rows();
+        let total = live + m;
+        let units = if total >= self.residual + unit {
+            (total - self.residual) / unit
+        } else {
+            0
+        };
+        // Units that start in the tail are completed and quantized there.
+        let mixed = units.min(live.div_ceil(unit));
+        let need = (mixed * unit).saturating_sub(live);
+        self.tail.extend_from_slice(&rows[..need * w]);
+        for _ in 0..mixed {
             self.flush(unit, backend, scratch);
         }
+        let mut i = need;
+        for _ in mixed..units {
+            self.store_unit(&rows[i * w..(i + unit) * w], unit, backend, scratch);
+            i += unit;
+        }
+        self.tail.extend_from_slice(&rows[i * w..]);
     }
 
     /// Quantize the oldest `unit` tail rows.
     fn flush(&mut self, unit: usize, backend: Backend, scratch: &mut Scratch) {
+        let w = self.width;
+        let tail = std::mem::take(&mut self.tail);
+        self.store_unit(
+            &tail[self.tail_start * w..(self.tail_start + unit) * w],
+            unit,
+            backend,
+            scratch,
+        );
+        self.tail = tail;
+        self.tail_start += unit;
+    }
+
+    /// Drop the tail's dead prefix once it outweighs the live rows (after
+    /// an append has succeeded: until then [`rollback`](Self::rollback)
+    /// may revive those rows).
+    fn compact(&mut self) {
+        let w = self.width;
+        if self.tail_start * w == self.tail.len() {
+            self.tail.clear();
+            self.tail_start = 0;
+        } else if self.tail_start > 64 && self.tail_start * 2 > self.tail.len() / w {
+            self.tail.drain(..self.tail_start * w);
+            self.tail_start = 0;
+        }
+    }
+
+    /// [`compact`](Self::compact) in the middle of an append: drop only
+    /// dead rows added since `m`, so a rollback still finds the rows it
+    /// revives. Keeps the tail bounded during a long `extend`.
+    fn compact_since(&mut self, m: &Mark) {
+        let w = self.width;
+        let keep = m.tail / w;
+        let rows = self.tail.len() / w;
+        if self.tail_start > keep + 64 && (self.tail_start - keep) * 2 > rows - keep {
+            self.tail.drain(keep * w..self.tail_start * w);
+            self.tail_start = keep;
+        }
+    }
+
+    /// Where every growing buffer ends, for [`rollback`](Self::rollback).
+    fn mark(&self) -> Mark {
+        Mark {
+            sink: self.sink.len(),
+            tail: self.tail.len(),
+            tail_start: self.tail_start,
+            packed: self.packed,
+        }
+    }
+
+    /// Undo everything stored since `m` was taken (no compaction may have
+    /// run in between).
+    fn rollback(&mut self, m: &Mark) {
+        self.sink.truncate(m.sink);
+        self.tail.truncate(m.tail);
+        self.tail_start = m.tail_start;
+        self.packed = m.packed;
+        if let Some(l) = self.layout {
+            let params = l.param_bytes(m.packed) / self.params.len();
+            for c in &mut self.codes {
+                c.truncate(l.head_code_bytes(m.packed));
+            }
+            for p in &mut self.params {
+                p.truncate(params);
+            }
+        }
+    }
+
+    /// Quantize `unit` rows (the next positions after the packed ones)
+    /// into packed storage.
+    fn store_unit(&mut self, rows: &[f32], unit: usize, backend: Backend, scratch: &mut Scratch) {
         let l = self.layout.expect("flush needs a scheme");
         let rb = l.row_bytes();
-        let w = self.width;
-        let rows = &self.tail[self.tail_start * w..(self.tail_start + unit) * w];
         let token = self.sinks + self.packed;
         match l.scheme().axis() {
             Axis::PerToken => {
@@ -416,12 +520,6 @@ impl Tensor {
             }
         }
         self.packed += unit;
-        self.tail_start += unit;
-        // Compact the tail once its dead prefix outweighs the live rows.
-        if self.tail_start > 64 && self.tail_start * 2 > self.tail.len() / w {
-            self.tail.drain(..self.tail_start * w);
-            self.tail_start = 0;
-        }
     }
 
     /// Tokens quantized at a time, 1 when full precision.
@@ -519,6 +617,20 @@ impl Tensor {
         out.extend_from_slice(self.tail_slice());
         out
     }
+}
+
+/// Floats of each of K and V checked and stored at a time by `extend`
+/// (256 KiB: K and V chunks together stay in L2).
+const EXTEND_CHUNK_FLOATS: usize = 64 * 1024;
+
+/// The lengths of a [`Tensor`]'s buffers at one moment (the packed
+/// buffers' lengths follow from `packed`).
+#[derive(Clone, Copy)]
+struct Mark {
+    sink: usize,
+    tail: usize,
+    tail_start: usize,
+    packed: usize,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -672,31 +784,77 @@ impl LayerCache {
         w: usize,
         s: &mut Scratch,
     ) -> Result<()> {
-        check_finite(op, k, n_kv, hd, 0)?;
-        check_finite(op, v, n_kv, hd, 0)?;
+        // Chunk by chunk, each checked and then stored while it is still in
+        // L2 (one pass over the input from memory instead of two). A chunk
+        // that fails its check undoes the chunks before it, and the whole
+        // input is checked again in order for the error to report.
+        let n = k.len() / w;
+        let chunk = (EXTEND_CHUNK_FLOATS / w).max(8);
+        let marks = (self.k.mark(), self.v.mark(), self.len);
         let mut pk = (self.k.pend_min.clone(), self.k.pend_max.clone());
         let mut pv = (self.v.pend_min.clone(), self.v.pend_max.clone());
-        self.k.check(op, k, self.len, &mut pk)?;
-        self.v.check(op, v, self.len, &mut pv)?;
-        // Checked: from here on nothing fails.
-        (self.k.pend_min, self.k.pend_max) = pk;
-        (self.v.pend_min, self.v.pend_max) = pv;
-        let n = k.len() / w;
         let mut q = Scratch {
             codes: std::mem::take(&mut s.codes),
             params: std::mem::take(&mut s.params),
             ..Scratch::default()
         };
-        for i in 0..n {
-            self.k
-                .push(&k[i * w..(i + 1) * w], self.len, self.backend, &mut q);
-            self.v
-                .push(&v[i * w..(i + 1) * w], self.len, self.backend, &mut q);
-            self.len += 1;
+        let mut t = 0;
+        let mut ok = true;
+        while t < n {
+            let e = (t + chunk).min(n);
+            let (kc, vc) = (&k[t * w..e * w], &v[t * w..e * w]);
+            // One pass per tensor finds both a non-finite value and the
+            // largest |x| for the scale check.
+            let ((ak, fk), (av, fv)) = (abs_max_finite(kc), abs_max_finite(vc));
+            ok = fk
+                && fv
+                && self.k.check(op, kc, ak, self.len, &mut pk).is_ok()
+                && self.v.check(op, vc, av, self.len, &mut pv).is_ok();
+            if !ok {
+                break;
+            }
+            self.k.push_rows(kc, self.len, self.backend, &mut q);
+            self.v.push_rows(vc, self.len, self.backend, &mut q);
+            self.len += e - t;
+            self.k.compact_since(&marks.0);
+            self.v.compact_since(&marks.1);
+            t = e;
         }
         s.codes = q.codes;
         s.params = q.params;
+        if !ok {
+            self.k.rollback(&marks.0);
+            self.v.rollback(&marks.1);
+            self.len = marks.2;
+            return Err(self
+                .check_all(op, k, v, n_kv, hd)
+                .expect_err("a chunk failed its check"));
+        }
+        (self.k.pend_min, self.k.pend_max) = pk;
+        (self.v.pend_min, self.v.pend_max) = pv;
+        self.k.compact();
+        self.v.compact();
         Ok(())
+    }
+
+    /// Every check of an append of `k`, `v` in the order that decides
+    /// which error is reported: non-finite keys, non-finite values, then
+    /// scale overflow in keys and in values.
+    fn check_all(
+        &self,
+        op: &'static str,
+        k: &[f32],
+        v: &[f32],
+        n_kv: usize,
+        hd: usize,
+    ) -> Result<()> {
+        check_finite(op, k, n_kv, hd, 0)?;
+        check_finite(op, v, n_kv, hd, 0)?;
+        let mut pk = (self.k.pend_min.clone(), self.k.pend_max.clone());
+        let mut pv = (self.v.pend_min.clone(), self.v.pend_max.clone());
+        self.k
+            .check(op, k, abs_max_finite(k).0, self.len, &mut pk)?;
+        self.v.check(op, v, abs_max_finite(v).0, self.len, &mut pv)
     }
 
     /// Bytes held, by kind.

@@ -146,6 +146,28 @@ fn streaming_equals_bulk_extend() {
         c.extend(&ks[..50 * w], &vs[..50 * w]).unwrap();
         c.extend(&ks[50 * w..], &vs[50 * w..]).unwrap();
         assert!(a == c);
+        // Random chunks: units straddle what is already in the tail and
+        // the new rows, and sink, residual and block edges fall anywhere.
+        for trial in 0..20 {
+            let mut d = LayerCache::new(cfg).unwrap();
+            let mut e = LayerCache::new(cfg).unwrap();
+            let mut t = 0;
+            let mut cuts = Vec::new();
+            while t < len {
+                let n = (1 + (rng.next().abs() * 40.0) as usize).min(len - t);
+                d.extend(&ks[t * w..(t + n) * w], &vs[t * w..(t + n) * w])
+                    .unwrap();
+                cuts.push(n);
+                // The same state as streaming the same prefix.
+                for u in t..t + n {
+                    e.append(&ks[u * w..(u + 1) * w], &vs[u * w..(u + 1) * w])
+                        .unwrap();
+                }
+                t += n;
+                assert!(d == e, "trial {trial}, chunks {cuts:?}, {cfg:?}");
+            }
+            assert!(a == d, "trial {trial}, chunks {cuts:?}, {cfg:?}");
+        }
     }
 }
 
@@ -333,6 +355,76 @@ fn rejected_appends_leave_cache_untouched() {
         assert_eq!(c.len(), 45);
         c.append(&good, &good).unwrap();
         assert_eq!(c.len(), 46);
+    }
+}
+
+/// A long `extend` is checked and stored in chunks; a fault in a late
+/// chunk undoes the earlier ones, the error is the one a whole-input check
+/// finds first (non-finite keys, then values, then overflow), and the
+/// cache works on as if the call had never happened.
+#[test]
+fn rejected_long_extend_rolls_back_every_chunk() {
+    let (n_kv, hd) = (2, 64);
+    let w = n_kv * hd;
+    let n = 2000; // several chunks at this width
+    for (k, v) in [
+        kivi(4),
+        (
+            scheme(4, Axis::PerToken, Group::Size(32)),
+            scheme(2, Axis::PerChannel, Group::Size(16)),
+        ),
+    ] {
+        let cfg = CacheConfig::new(n_kv, hd)
+            .keys(k)
+            .values(v)
+            .residual(40)
+            .sinks(3);
+        let mut rng = Rng(33);
+        let mut c = LayerCache::new(cfg).unwrap();
+        fill(&mut c, 45, &mut rng);
+        let before = c.clone();
+        let ks = rng.vec(n * w);
+        let vs = rng.vec(n * w);
+
+        // Overflow in the keys' first chunk, NaN in the values' last one:
+        // the non-finite value is reported.
+        let (mut kb, mut vb) = (ks.clone(), vs.clone());
+        kb[100 * w] = 1.0e5;
+        kb[100 * w + 1] = -1.0e5;
+        vb[1900 * w + 70] = f32::NAN;
+        let e = c.extend(&kb, &vb).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::NonFinite {
+                    token: 1900,
+                    head: 1,
+                    channel: 6,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(c == before);
+        // Only the overflow: reported, and nothing stored.
+        let e = c.extend(&kb, &vs).unwrap_err();
+        assert!(matches!(e, Error::ScaleOverflow { .. }), "{e}");
+        assert!(c == before);
+        // A fault in the last chunk only.
+        let mut kc = ks.clone();
+        kc[(n - 1) * w] = f32::NEG_INFINITY;
+        let e = c.extend(&kc, &vs).unwrap_err();
+        assert!(matches!(e, Error::NonFinite { token: 1999, .. }), "{e}");
+        assert!(c == before);
+
+        // And the cache goes on exactly as a fresh copy does.
+        let mut d = before.clone();
+        c.extend(&ks, &vs).unwrap();
+        for t in 0..n {
+            d.append(&ks[t * w..(t + 1) * w], &vs[t * w..(t + 1) * w])
+                .unwrap();
+        }
+        assert!(c == d);
     }
 }
 
