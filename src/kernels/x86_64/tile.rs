@@ -500,7 +500,7 @@ unsafe fn pv<S: Simd, const P: u32, const SH: u32>(
 /// `nq·T·L`; `Geo::fast` holds and `nch ≤ 32`; `d` built for this tile.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>>(
+unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
     s: S,
     g: Geo,
     rows: *const u8,
@@ -517,14 +517,14 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>>(
             if nq == 1 {
                 let mut a = [s.zero(); 2];
                 unroll!(j in 0, g.nch => {
-                    let x = d.apply(s, tt, j, codes_f32::<S, B>(s, row, g.hd, j));
+                    let x = row_vec::<S, B, D, NIB>(s, g, d, row, tt, j);
                     a[j % 2] = s.fma(x, s.load(q.add(j * S::L)), a[j % 2]);
                 });
                 s.store(accbuf.add(tt * S::L), s.add(a[0], a[1]));
             } else {
                 let mut xs = [s.zero(); MAX_NCH];
                 unroll!(j in 0, g.nch => {
-                    xs[j] = d.apply(s, tt, j, codes_f32::<S, B>(s, row, g.hd, j));
+                    xs[j] = row_vec::<S, B, D, NIB>(s, g, d, row, tt, j);
                 });
                 for i in 0..nq {
                     let qi = q.add(i * g.hdp);
@@ -541,6 +541,57 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>>(
         for tt in n..S::T {
             // SAFETY: `i < nq`, `tt < T`.
             unsafe { s.store(accbuf.add((i * S::T + tt) * S::L), s.zero()) };
+        }
+    }
+}
+
+/// Vector `j` of token `tt`'s row for [`fused_scores_tile`]: the
+/// dequantized codes, or with `NIB` (4-bit raw codes, queries rewritten by
+/// [`nibble_queries`]) the low nibbles of byte vector `j` for
+/// `j < nch/2` and the whole bytes of byte vector `j − nch/2` after.
+///
+/// # Safety
+/// `row` valid for the row's bytes; `Geo::fast`; `j < nch`.
+#[inline(always)]
+unsafe fn row_vec<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
+    s: S,
+    g: Geo,
+    d: D,
+    row: *const u8,
+    tt: usize,
+    j: usize,
+) -> S::F {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if NIB {
+            let h = g.nch / 2;
+            let bytes = s.load_u8(row.add(j % h * S::L));
+            if j < h {
+                s.field_f32::<4>(bytes)
+            } else {
+                s.cvt(bytes)
+            }
+        } else {
+            d.apply(s, tt, j, codes_f32::<S, B>(s, row, g.hd, j))
+        }
+    }
+}
+
+/// Rewrite per-channel queries for 4-bit rows read a byte vector at a
+/// time: element `c < hd/2` of a row is the low nibble `lo` of byte `c`
+/// and element `c + hd/2` its high nibble `(b − lo)/16`, so
+/// `q_c·lo + q_{c+hd/2}·(b − lo)/16 = (q_c − q_{c+hd/2}/16)·lo + (q_{c+hd/2}/16)·b`:
+/// the kernel widens each byte vector once and uses the bytes `b` as they
+/// are (a convert) instead of shifting out the high nibbles (a second
+/// widening on the shuffle port). `qs` holds `nq` queries of `hdp` floats.
+#[inline(always)]
+fn nibble_queries(qs: &mut [f32], nq: usize, hd: usize, hdp: usize) {
+    let h = hd / 2;
+    for qi in qs.chunks_exact_mut(hdp).take(nq) {
+        let (lo, hi) = qi[..hd].split_at_mut(h);
+        for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
+            *b *= 1.0 / 16.0;
+            *a -= *b;
         }
     }
 }
@@ -873,6 +924,9 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             let (mut sc, mut ze, mut qs) = (Buf::new(hdp), Buf::new(hdp), Buf::new(nq * hdp));
             let mut bias = vec![0f32; nq];
             let set = head.set_len() * head.layout().scheme().param_bytes();
+            // 4-bit rows whose low and high nibble vectors come from the
+            // same bytes: one widening per byte vector (see `nibble_queries`).
+            let nib = B == 4 && fused && (hd / 2).is_multiple_of(S::L);
             for k in 0..t_all.div_ceil(gl) {
                 let ahead = k + PREFETCH_TOKENS.div_ceil(gl);
                 prefetch(head.params().as_ptr().wrapping_add(ahead * set), set);
@@ -892,6 +946,9 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                     }
                     *bias = s.hsum(b);
                 }
+                if nib {
+                    nibble_queries(qs.m(), nq, hd, hdp);
+                }
                 let t_end = ((k + 1) * gl).min(t_all);
                 let mut t0 = k * gl;
                 while t0 < t_end {
@@ -905,8 +962,19 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                         // per query.
                         let r = unsafe {
                             if fused {
-                                if i == 0 {
-                                    fused_scores_tile::<S, B, Raw>(
+                                if i == 0 && nib {
+                                    fused_scores_tile::<S, B, Raw, true>(
+                                        s,
+                                        g,
+                                        rows,
+                                        n,
+                                        Raw,
+                                        qs.s().as_ptr(),
+                                        nq,
+                                        accbuf.m().as_mut_ptr(),
+                                    );
+                                } else if i == 0 {
+                                    fused_scores_tile::<S, B, Raw, false>(
                                         s,
                                         g,
                                         rows,
@@ -955,7 +1023,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                         u8buf.as_mut_ptr(),
                     );
                     match tp.deq_rows() {
-                        _ if fused => fused_scores_tile::<S, B, PerToken>(
+                        _ if fused => fused_scores_tile::<S, B, PerToken, false>(
                             s,
                             g,
                             rows,
@@ -1228,19 +1296,35 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
         tp.load(s, head, t0, n);
         let d = tp.deq();
         for (i, zacc) in zacc.iter_mut().enumerate() {
-            for tt in 0..n {
-                let pb = s.splat(p[i * t_all + t0 + tt]);
-                for (c, z) in zacc.iter_mut().enumerate().take(gch) {
-                    // SAFETY: the params buffers are padded by `PAD ≥ wst`
-                    // floats past the tile's last token, so these `L`-lane
-                    // reads stay inside; lanes past `gpr` are never used.
-                    unsafe {
-                        let o = tt * d.stride + c * S::L;
-                        let w = wbuf.m().as_mut_ptr().add((i * S::T + tt) * wst + c * S::L);
-                        s.store(w, s.mul(s.load(d.sc.add(o)), pb));
-                        *z = s.fma(s.load(d.ze.add(o)), pb, *z);
-                    }
+            let pi = &p[i * t_all + t0..i * t_all + t0 + n];
+            for (c, z) in zacc.iter_mut().enumerate().take(gch) {
+                // Four independent chains per tile (registers, not one
+                // chain through memory).
+                let mut zt = [s.zero(); 4];
+                let wb = wbuf.m().as_mut_ptr();
+                let mut tt = 0;
+                while tt < n {
+                    // Four tokens at a time into four chains (the tail
+                    // into the first ones).
+                    unroll!(u in 0, 4 => {
+                        if tt + u < n {
+                            let t = tt + u;
+                            let pb = s.splat(pi[t]);
+                            // SAFETY: the params buffers are padded by `PAD ≥
+                            // wst` floats past the tile's last token, so these
+                            // `L`-lane reads stay inside; lanes past `gpr` are
+                            // never used. `wbuf` holds `NQ·T` rows of `wst`.
+                            unsafe {
+                                let o = t * d.stride + c * S::L;
+                                let w = wb.add((i * S::T + t) * wst + c * S::L);
+                                s.store(w, s.mul(s.load(d.sc.add(o)), pb));
+                                zt[u] = s.fma(s.load(d.ze.add(o)), pb, zt[u]);
+                            }
+                        }
+                    });
+                    tt += 4;
                 }
+                *z = s.add(*z, s.add(s.add(zt[0], zt[1]), s.add(zt[2], zt[3])));
             }
         }
         let mut j0 = 0;
