@@ -1290,6 +1290,12 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     let codes = head.codes().as_ptr();
     let goff = tp.goff;
     assert!(acc.len() >= NQ * hdp && gch <= 4 && p.len() >= NQ * t_all);
+    // 4-bit rows read a byte vector at a time (every vector in one column
+    // block). Only with f16 scales: the high half accumulates 16x, which
+    // stays far from overflow only when a scale is at most 65504.
+    let nib =
+        B == 4 && (g.hd / 2).is_multiple_of(S::L) && jb >= g.nch && tp.p.fmt == ScaleFormat::F16;
+    let h = g.nch / 2;
     let mut t0 = 0;
     while t0 < t_all {
         let n = S::T.min(t_all - t0);
@@ -1343,6 +1349,28 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 for tt in 0..n {
                     let row = codes.add((t0 + tt) * g.rb);
                     let w = wbuf.s().as_ptr().add(tt * wst);
+                    if nib {
+                        // One widening per byte vector: its low nibbles are
+                        // vector `jj`, and `b − lo` (exact) is 16x the high
+                        // nibbles of vector `jj + h` (scaled back at the end).
+                        unroll!(jj in 0, h => {
+                            let bytes = s.load_u8(row.add(jj * S::L));
+                            let lo = s.field_f32::<4>(bytes);
+                            let hi16 = s.sub(s.cvt(bytes), lo);
+                            unroll!(i in 0, NQ => {
+                                let wq = w.add(i * S::T * wst);
+                                let wl = s.bcast(wq.add(goff[jj] as usize));
+                                let wh = s.bcast(wq.add(goff[jj + h] as usize));
+                                // (`nib` means `nch ≤ jb ≤ 16`; the `min`
+                                // only keeps shapes where it is false
+                                // from indexing past the array.)
+                                let (l, u) = (jj.min(15), (jj + h).min(15));
+                                a[i][l] = s.fma(lo, wl, a[i][l]);
+                                a[i][u] = s.fma(hi16, wh, a[i][u]);
+                            });
+                        });
+                        continue;
+                    }
                     unroll!(j in j0, j1 => {
                         let x = codes_f32::<S, B>(s, row, g.hd, j);
                         unroll!(i in 0, NQ => {
@@ -1360,6 +1388,13 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
             j0 = j1;
         }
         t0 += n;
+    }
+    if nib {
+        for a in acc.chunks_exact_mut(hdp).take(NQ) {
+            for v in &mut a[g.hd / 2..g.hd] {
+                *v *= 1.0 / 16.0;
+            }
+        }
     }
     for (i, zacc) in zacc.iter().enumerate() {
         let mut zs = [0f32; 64];
