@@ -1291,8 +1291,9 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     let goff = tp.goff;
     assert!(acc.len() >= NQ * hdp && gch <= 4 && p.len() >= NQ * t_all);
     // 4-bit rows read a byte vector at a time (every vector in one column
-    // block). Only with f16 scales: the high half accumulates 16x, which
-    // stays far from overflow only when a scale is at most 65504.
+    // block). The high half accumulates 16x, which costs 4 bits of
+    // exponent headroom: only with f16 scales (at most 65504), where that
+    // overflows only for weights beyond ≈10^32, not for probabilities.
     let nib =
         B == 4 && (g.hd / 2).is_multiple_of(S::L) && jb >= g.nch && tp.p.fmt == ScaleFormat::F16;
     let h = g.nch / 2;
