@@ -362,37 +362,20 @@ pub(crate) trait QuantOps: Copy {
         scales: &mut [f32],
         zeros: &mut [f32],
     ) -> std::result::Result<(), usize> {
-        group_params_each(s, mins, maxs, scales, zeros)
+        for (i, (((&mn, &mx), sc), ze)) in mins.iter().zip(maxs).zip(scales).zip(zeros).enumerate()
+        {
+            (*sc, *ze) = group_params(s, mn, mx).map_err(|_| i)?;
+        }
+        Ok(())
     }
     /// `fmt.write` of every value of `vals` (each representable in `fmt`)
     /// into consecutive slots of `out`.
     #[inline(always)]
     fn write_params(self, fmt: ScaleFormat, vals: &[f32], out: &mut [u8]) {
-        write_params_each(fmt, vals, out)
-    }
-}
-
-/// [`QuantOps::group_params`], one group at a time.
-#[inline(always)]
-pub(crate) fn group_params_each(
-    s: &QuantScheme,
-    mins: &[f32],
-    maxs: &[f32],
-    scales: &mut [f32],
-    zeros: &mut [f32],
-) -> std::result::Result<(), usize> {
-    for (i, (((&mn, &mx), sc), ze)) in mins.iter().zip(maxs).zip(scales).zip(zeros).enumerate() {
-        (*sc, *ze) = group_params(s, mn, mx).map_err(|_| i)?;
-    }
-    Ok(())
-}
-
-/// [`QuantOps::write_params`], one value at a time.
-#[inline(always)]
-pub(crate) fn write_params_each(fmt: ScaleFormat, vals: &[f32], out: &mut [u8]) {
-    let fb = fmt.bytes();
-    for (&v, o) in vals.iter().zip(out.chunks_exact_mut(fb)) {
-        fmt.write(v, o);
+        let fb = fmt.bytes();
+        for (&v, o) in vals.iter().zip(out.chunks_exact_mut(fb)) {
+            fmt.write(v, o);
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 
 use super::tile::{self, DenseElem};
 use super::Simd;
-use crate::quant;
+use crate::quant::{QuantOps, Scalar};
 use crate::scheme::{Mode, QuantScheme, ScaleFormat};
 use crate::store::PackedHead;
 use core::arch::x86_64::*;
@@ -434,12 +434,12 @@ unsafe impl Simd for Avx512 {
 const UP: i32 = _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC;
 
 impl Avx512 {
-    /// [`quant::group_params`] of every group, eight at a time: the same
+    /// [`crate::quant::group_params`] of every group, eight at a time: the same
     /// IEEE operations in the same order (f64 subtract and divide, f64→f32
     /// rounded up by the conversion's embedded rounding, f32→f16 rounded
     /// by F16C's immediate, f32→bf16 in integers), so the results are
     /// bit-identical to the scalar code. The last `< 8` groups take the
-    /// scalar code. See [`quant::QuantOps::group_params`].
+    /// scalar code. See [`QuantOps::group_params`].
     #[inline(always)]
     pub(crate) fn group_params(
         self,
@@ -499,17 +499,18 @@ impl Avx512 {
             }
             i += 8;
         }
-        quant::group_params_each(
-            s,
-            &mins[i..n],
-            &maxs[i..n],
-            &mut scales[i..n],
-            &mut zeros[i..n],
-        )
-        .map_err(|j| i + j)
+        Scalar
+            .group_params(
+                s,
+                &mins[i..n],
+                &maxs[i..n],
+                &mut scales[i..n],
+                &mut zeros[i..n],
+            )
+            .map_err(|j| i + j)
     }
 
-    /// [`quant::QuantOps::write_params`] eight values at a time (exact
+    /// [`QuantOps::write_params`] eight values at a time (exact
     /// conversions: every value is representable), scalar tail.
     #[inline(always)]
     pub(crate) fn write_params(self, fmt: ScaleFormat, vals: &[f32], out: &mut [u8]) {
@@ -537,7 +538,7 @@ impl Avx512 {
             }
             i += 8;
         }
-        quant::write_params_each(fmt, &vals[i..], &mut out[i * fb..]);
+        Scalar.write_params(fmt, &vals[i..], &mut out[i * fb..]);
     }
 }
 

@@ -278,8 +278,8 @@ mod tests {
                         }
                         let (mut s1, mut z1) = (vec![0f32; n], vec![0f32; n]);
                         let (mut s2, mut z2) = (vec![0f32; n], vec![0f32; n]);
-                        let want = quant::group_params_each(&sc, &mins, &maxs, &mut s1, &mut z1);
-                        let got = s.group_params(&sc, &mins, &maxs, &mut s2, &mut z2);
+                        let want = quant::Scalar.group_params(&sc, &mins, &maxs, &mut s1, &mut z1);
+                        let got = QuantOps::group_params(s, &sc, &mins, &maxs, &mut s2, &mut z2);
                         assert_eq!(want, got, "{} {mins:?} {maxs:?}", sc.label());
                         let upto = want.err().unwrap_or(n);
                         errs += usize::from(upto < n);
@@ -295,8 +295,8 @@ mod tests {
                         }
                         let fb = fmt.bytes();
                         let (mut b1, mut b2) = (vec![0u8; upto * fb], vec![0u8; upto * fb]);
-                        quant::write_params_each(fmt, &s1[..upto], &mut b1);
-                        s.write_params(fmt, &s1[..upto], &mut b2);
+                        quant::Scalar.write_params(fmt, &s1[..upto], &mut b1);
+                        QuantOps::write_params(s, fmt, &s1[..upto], &mut b2);
                         assert_eq!(b1, b2, "{}", sc.label());
                     }
                 }

@@ -962,28 +962,15 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                         // per query.
                         let r = unsafe {
                             if fused {
-                                if i == 0 && nib {
-                                    fused_scores_tile::<S, B, Raw, true>(
-                                        s,
-                                        g,
-                                        rows,
-                                        n,
-                                        Raw,
-                                        qs.s().as_ptr(),
-                                        nq,
-                                        accbuf.m().as_mut_ptr(),
-                                    );
-                                } else if i == 0 {
-                                    fused_scores_tile::<S, B, Raw, false>(
-                                        s,
-                                        g,
-                                        rows,
-                                        n,
-                                        Raw,
-                                        qs.s().as_ptr(),
-                                        nq,
-                                        accbuf.m().as_mut_ptr(),
-                                    );
+                                let (qp, ap) = (qs.s().as_ptr(), accbuf.m().as_mut_ptr());
+                                match (i, nib) {
+                                    (0, true) => fused_scores_tile::<S, B, Raw, true>(
+                                        s, g, rows, n, Raw, qp, nq, ap,
+                                    ),
+                                    (0, false) => fused_scores_tile::<S, B, Raw, false>(
+                                        s, g, rows, n, Raw, qp, nq, ap,
+                                    ),
+                                    _ => {}
                                 }
                                 reduce_query(s, accbuf.s().as_ptr(), i)
                             } else {
