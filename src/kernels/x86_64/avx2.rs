@@ -272,6 +272,11 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_cvtepi32_ps(v) }
     }
     #[inline(always)]
+    fn permute(self, table: __m256, idx: __m256i) -> __m256 {
+        // SAFETY: AVX2.
+        unsafe { _mm256_permutevar8x32_ps(table, idx) }
+    }
+    #[inline(always)]
     fn field_f32<const P: u32>(self, v: __m256i) -> __m256 {
         // SAFETY: AVX2. (A table permute would work for fields of up to 3
         // bits, but 256-bit converts issue on two ports and `vpermps` on

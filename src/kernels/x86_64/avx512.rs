@@ -268,6 +268,11 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_cvtepi32_ps(v) }
     }
     #[inline(always)]
+    fn permute(self, table: __m512, idx: __m512i) -> __m512 {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_permutexvar_ps(idx, table) }
+    }
+    #[inline(always)]
     fn field_f32<const P: u32>(self, v: __m512i) -> __m512 {
         // SAFETY: AVX-512F. `vpermps` reads the low 4 bits of each index:
         // entry `i` of the table is `i & (2^P − 1)`.

@@ -154,6 +154,8 @@ pub(crate) unsafe trait Simd: Copy {
     /// permute where the ISA's permute indexes enough entries (no mask
     /// and no convert needed).
     fn field_f32<const P: u32>(self, v: Self::I) -> Self::F;
+    /// Lane `l` of the result is lane `idx[l]` of `table` (`idx[l] < L`).
+    fn permute(self, table: Self::F, idx: Self::I) -> Self::F;
     /// `(v >> s) & mask` for `s ≥ 0`, `(v << -s) & mask` for `s < 0`.
     fn shr_mask(self, v: Self::I, s: i32, mask: u32) -> Self::I;
     /// `((v >> a) & mask) << sh` in the low half of the lanes and

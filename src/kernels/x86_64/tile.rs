@@ -1247,12 +1247,85 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
     }
 }
 
+/// The per-vector scales of a tile whose groups fit one vector
+/// (`gpr ≤ L`): row `t` of `w` gets token `t`'s scales permuted to the
+/// vectors by `ix` (`ne ≤ 2·L` floats per row), times `pw[t]` when given.
+///
+/// # Safety
+/// `d` holds `n` tokens' params with `L` readable floats at each token's
+/// scales; `w` holds `n` rows of `ne`; `pw`, if given, `n` weights.
+#[inline(always)]
+unsafe fn expand_scales<S: Simd>(
+    s: S,
+    d: PerToken,
+    pw: Option<&[f32]>,
+    ix: [S::I; 2],
+    ne: usize,
+    n: usize,
+    w: *mut f32,
+) {
+    for t in 0..n {
+        // SAFETY: the caller's contract; row `t < n`.
+        unsafe {
+            let mut v = s.load(d.sc.add(t * d.stride));
+            if let Some(pw) = pw {
+                v = s.mul(v, s.bcast(pw.as_ptr().add(t)));
+            }
+            let r = w.add(t * ne);
+            s.store(r, s.permute(v, ix[0]));
+            if ne > S::L {
+                s.store(r.add(S::L), s.permute(v, ix[1]));
+            }
+        }
+    }
+}
+
+/// `z[c] += Σ_t pi[t]·zero_tc` for the `gch` zero vectors of a tile, in
+/// four independent chains.
+///
+/// # Safety
+/// `d` holds `pi.len()` tokens' params with `gch·L` readable floats at
+/// each token's zeros; `gch ≤ 4`.
+#[inline(always)]
+unsafe fn zero_sums<S: Simd>(s: S, d: PerToken, pi: &[f32], gch: usize, z: &mut [S::F; 4]) {
+    let n = pi.len();
+    let mut zt = [[s.zero(); 4]; 4];
+    let mut t = 0;
+    while t < n {
+        unroll!(u in 0, 4 => {
+            if t + u < n {
+                // SAFETY: the caller's contract; token `t + u < n`.
+                unsafe {
+                    let pb = s.bcast(pi.as_ptr().add(t + u));
+                    let o = (t + u) * d.stride;
+                    zt[u][0] = s.fma(s.load(d.ze.add(o)), pb, zt[u][0]);
+                    for c in 1..gch {
+                        zt[u][c] = s.fma(s.load(d.ze.add(o + c * S::L)), pb, zt[u][c]);
+                    }
+                }
+            }
+        });
+        t += 4;
+    }
+    for (c, z) in z.iter_mut().enumerate().take(gch) {
+        *z = s.add(
+            *z,
+            s.add(s.add(zt[0][c], zt[1][c]), s.add(zt[2][c], zt[3][c])),
+        );
+    }
+}
+
 /// Fused weighted sum of per-token values for `NQ` queries: each row is
-/// unpacked into registers once and added into every query with the
-/// weight `p_it·scale_tg` of its group; `Σ_t p_it·zero_tg` is kept per
-/// group and added at the end. Accumulators live in registers for a tile
-/// at a time, `NQ ×` a column block of vectors filling half the register
-/// file.
+/// unpacked into registers once and added into every query; `Σ_t
+/// p_it·zero_tg` is kept per group and added at the end. Accumulators
+/// live in registers for a tile at a time, `NQ ×` a column block of
+/// vectors filling half the register file.
+///
+/// The scales are expanded per vector (`w[t·ne + j]` is the scale of
+/// vector `j`'s group), so every broadcast in the inner loop is a constant
+/// offset from the token's row. One query folds its weight in
+/// (`w = p_t·scale_tg`: one FMA per code vector); several scale each code
+/// vector once and take it into every query with `p_it`.
 ///
 /// # Safety
 /// `check_head` passed for `NQ` queries; `Geo::fast`, `nch ≤ MAX_NCH`,
@@ -1267,113 +1340,168 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     acc: &mut [f32],
 ) {
     let t_all = head.tokens();
-    let (gpr, cpg, hdp) = (tp.gpr, tp.cpg, g.hdp);
+    let (gpr, cpg, hdp, nch) = (tp.gpr, tp.cpg, g.hdp, g.nch);
     let gch = gpr.div_ceil(S::L);
-    let wst = gch * S::L;
-    // Per-query, per-token group weights of the tile: `NQ·T` rows of `wst`.
-    let mut wbuf = Buf::new(NQ * S::T * wst);
+    let fold = NQ > 1;
+    // Floats per token of the per-vector scales.
+    let ne = nch.div_ceil(S::L) * S::L;
+    let mut wbuf = Buf::new(S::T * ne);
+    // Lane `l` of index vector `m`: the group of vector `m·L + l`.
+    let mut idx = [[0i32; 16]; 2];
+    let perm = gch == 1 && ne <= 2 * S::L;
+    if perm {
+        for j in 0..nch {
+            idx[j / S::L][j % S::L] = tp.goff[j] as i32;
+        }
+    }
+    // SAFETY: each index array holds 16 ≥ L lanes.
+    let ix = unsafe {
+        [
+            s.load_i(idx[0].as_ptr() as *const f32),
+            s.load_i(idx[1].as_ptr() as *const f32),
+        ]
+    };
     let mut zacc = [[s.zero(); 4]; NQ];
-    let jb = (S::REGS / 2 / NQ).max(1);
     let codes = head.codes().as_ptr();
-    let goff = tp.goff;
     assert!(acc.len() >= NQ * hdp && gch <= 4 && p.len() >= NQ * t_all);
-    // 4-bit rows read a byte vector at a time (every vector in one column
-    // block). The high half accumulates 16x, which costs 4 bits of
-    // exponent headroom: only with f16 scales (at most 65504), where that
-    // overflows only for weights beyond ≈10^32, not for probabilities.
-    let nib =
-        B == 4 && (g.hd / 2).is_multiple_of(S::L) && jb >= g.nch && tp.p.fmt == ScaleFormat::F16;
-    let h = g.nch / 2;
+    // Column blocks: `NQ·jb` accumulators fill half the register file.
+    let jb = (S::REGS / 2 / NQ).max(1);
+    // 4-bit rows read a byte vector at a time: byte vector `jj` gives
+    // vectors `jj` and `jj + h`, so a block is `bb` byte vectors and
+    // `2·bb` accumulators per query. The high half accumulates 16x, which
+    // costs 4 bits of exponent headroom: only with f16 scales (at most
+    // 65504), where that overflows only for weights beyond ≈10^32, not for
+    // probabilities.
+    let h = nch / 2;
+    let bb = (jb / 2).max(1).min(h);
+    let nib = B == 4
+        && (g.hd / 2).is_multiple_of(S::L)
+        && h.is_multiple_of(bb)
+        && bb <= 8
+        && tp.p.fmt == ScaleFormat::F16;
     let mut t0 = 0;
     while t0 < t_all {
         let n = S::T.min(t_all - t0);
         tp.load(s, head, t0, n);
         let d = tp.deq();
-        for (i, zacc) in zacc.iter_mut().enumerate() {
-            let pi = &p[i * t_all + t0..i * t_all + t0 + n];
-            for (c, z) in zacc.iter_mut().enumerate().take(gch) {
-                // Four independent chains per tile (registers, not one
-                // chain through memory).
-                let mut zt = [s.zero(); 4];
-                let wb = wbuf.m().as_mut_ptr();
-                let mut tt = 0;
-                while tt < n {
-                    // Four tokens at a time into four chains (the tail
-                    // into the first ones).
-                    unroll!(u in 0, 4 => {
-                        if tt + u < n {
-                            let t = tt + u;
-                            let pb = s.splat(pi[t]);
-                            // SAFETY: the params buffers are padded by `PAD ≥
-                            // wst` floats past the tile's last token, so these
-                            // `L`-lane reads stay inside; lanes past `gpr` are
-                            // never used. `wbuf` holds `NQ·T` rows of `wst`.
-                            unsafe {
-                                let o = t * d.stride + c * S::L;
-                                let w = wb.add((i * S::T + t) * wst + c * S::L);
-                                s.store(w, s.mul(s.load(d.sc.add(o)), pb));
-                                zt[u] = s.fma(s.load(d.ze.add(o)), pb, zt[u]);
-                            }
-                        }
-                    });
-                    tt += 4;
+        let pw = (!fold).then(|| &p[t0..t0 + n]);
+        if perm {
+            // SAFETY: the params buffers are padded by `PAD ≥ L` floats
+            // past the tile's last token; `wbuf` holds `T ≥ n` rows of `ne`.
+            unsafe { expand_scales(s, d, pw, ix, ne, n, wbuf.m().as_mut_ptr()) };
+        } else {
+            for t in 0..n {
+                let k = pw.map_or(1.0, |pw| pw[t]);
+                for j in 0..nch {
+                    // SAFETY: group `goff[j] < gpr` of token `t < n`.
+                    let sc = unsafe { *d.sc.add(t * d.stride + tp.goff[j] as usize) };
+                    wbuf.m()[t * ne + j] = sc * k;
                 }
-                *z = s.add(*z, s.add(s.add(zt[0], zt[1]), s.add(zt[2], zt[3])));
             }
         }
-        let mut j0 = 0;
-        while j0 < g.nch {
-            let j1 = (j0 + jb).min(g.nch);
-            let mut a = [[s.zero(); 16]; NQ];
-            // SAFETY: vectors `j < nch` of `acc` (`hdp` floats per query),
-            // rows `t0..t0+n ≤ tokens` of `codes` (check_head), weights of
-            // groups `goff[j] < gpr ≤ wst`.
-            unsafe {
-                unroll!(i in 0, NQ => {
-                    unroll!(j in j0, j1 => {
-                        a[i][j - j0] = s.load(acc.as_ptr().add(i * hdp + j * S::L));
-                    });
-                });
-                for tt in 0..n {
-                    let row = codes.add((t0 + tt) * g.rb);
-                    let w = wbuf.s().as_ptr().add(tt * wst);
-                    if nib {
-                        // One widening per byte vector: its low nibbles are
-                        // vector `jj`, and `b − lo` (exact) is 16x the high
-                        // nibbles of vector `jj + h` (scaled back at the end).
-                        unroll!(jj in 0, h => {
-                            let bytes = s.load_u8(row.add(jj * S::L));
-                            let lo = s.field_f32::<4>(bytes);
-                            let hi16 = s.sub(s.cvt(bytes), lo);
-                            unroll!(i in 0, NQ => {
-                                let wq = w.add(i * S::T * wst);
-                                let wl = s.bcast(wq.add(goff[jj] as usize));
-                                let wh = s.bcast(wq.add(goff[jj + h] as usize));
-                                // (`nib` means `nch ≤ jb ≤ 16`; the `min`
-                                // only keeps shapes where it is false
-                                // from indexing past the array.)
-                                let (l, u) = (jj.min(15), (jj + h).min(15));
-                                a[i][l] = s.fma(lo, wl, a[i][l]);
-                                a[i][u] = s.fma(hi16, wh, a[i][u]);
-                            });
-                        });
-                        continue;
-                    }
-                    unroll!(j in j0, j1 => {
-                        let x = codes_f32::<S, B>(s, row, g.hd, j);
-                        unroll!(i in 0, NQ => {
-                            let wi = w.add(i * S::T * wst + goff[j] as usize);
-                            a[i][j - j0] = s.fma(x, s.bcast(wi), a[i][j - j0]);
-                        });
-                    });
-                }
-                unroll!(i in 0, NQ => {
-                    unroll!(j in j0, j1 => {
-                        s.store(acc.as_mut_ptr().add(i * hdp + j * S::L), a[i][j - j0]);
-                    });
-                });
+        for (i, z) in zacc.iter_mut().enumerate() {
+            // SAFETY: as above, `PAD ≥ gch·L`.
+            unsafe { zero_sums(s, d, &p[i * t_all + t0..i * t_all + t0 + n], gch, z) };
+        }
+        // SAFETY: vectors `j < nch` of `acc` (`hdp` floats per query),
+        // rows `t0..t0+n ≤ tokens` of `codes` (check_head), scales of
+        // vectors `j < nch ≤ ne`, weights `t0..t0+n` of each query.
+        unsafe {
+            let mut pq = [p.as_ptr(); NQ];
+            for (i, q) in pq.iter_mut().enumerate() {
+                *q = q.add(i * t_all + t0);
             }
-            j0 = j1;
+            if nib {
+                let mut jj0 = 0;
+                while jj0 < h {
+                    let mut a = [[s.zero(); 16]; NQ];
+                    unroll!(i in 0, NQ => {
+                        unroll!(k in 0, 8 => {
+                            if k < bb {
+                                let lo = acc.as_ptr().add(i * hdp + (jj0 + k) * S::L);
+                                a[i][k] = s.load(lo);
+                                a[i][8 + k] = s.load(lo.add(h * S::L));
+                            }
+                        });
+                    });
+                    for tt in 0..n {
+                        let row = codes.add((t0 + tt) * g.rb + jj0 * S::L);
+                        let w = wbuf.s().as_ptr().add(tt * ne + jj0);
+                        let mut pb = [s.zero(); NQ];
+                        if fold {
+                            unroll!(i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                        }
+                        // One widening per byte vector: its low nibbles
+                        // are vector `jj`, and `b − lo` (exact) is 16x the
+                        // high nibbles of vector `jj + h` (scaled back at
+                        // the end).
+                        unroll!(k in 0, 8 => {
+                            if k < bb {
+                                let bytes = s.load_u8(row.add(k * S::L));
+                                let lo = s.field_f32::<4>(bytes);
+                                let hi16 = s.sub(s.cvt(bytes), lo);
+                                if fold {
+                                    let lo = s.mul(lo, s.bcast(w.add(k)));
+                                    let hi16 = s.mul(hi16, s.bcast(w.add(h + k)));
+                                    unroll!(i in 0, NQ => {
+                                        a[i][k] = s.fma(lo, pb[i], a[i][k]);
+                                        a[i][8 + k] = s.fma(hi16, pb[i], a[i][8 + k]);
+                                    });
+                                } else {
+                                    a[0][k] = s.fma(lo, s.bcast(w.add(k)), a[0][k]);
+                                    a[0][8 + k] = s.fma(hi16, s.bcast(w.add(h + k)), a[0][8 + k]);
+                                }
+                            }
+                        });
+                    }
+                    unroll!(i in 0, NQ => {
+                        unroll!(k in 0, 8 => {
+                            if k < bb {
+                                let lo = acc.as_mut_ptr().add(i * hdp + (jj0 + k) * S::L);
+                                s.store(lo, a[i][k]);
+                                s.store(lo.add(h * S::L), a[i][8 + k]);
+                            }
+                        });
+                    });
+                    jj0 += bb;
+                }
+            } else {
+                let mut j0 = 0;
+                while j0 < nch {
+                    let j1 = (j0 + jb).min(nch);
+                    let mut a = [[s.zero(); 16]; NQ];
+                    unroll!(i in 0, NQ => {
+                        unroll!(j in j0, j1 => {
+                            a[i][j - j0] = s.load(acc.as_ptr().add(i * hdp + j * S::L));
+                        });
+                    });
+                    for tt in 0..n {
+                        let row = codes.add((t0 + tt) * g.rb);
+                        let w = wbuf.s().as_ptr().add(tt * ne);
+                        let mut pb = [s.zero(); NQ];
+                        if fold {
+                            unroll!(i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                        }
+                        unroll!(j in j0, j1 => {
+                            let x = codes_f32::<S, B>(s, row, g.hd, j);
+                            if fold {
+                                let x = s.mul(x, s.bcast(w.add(j)));
+                                unroll!(i in 0, NQ => {
+                                    a[i][j - j0] = s.fma(x, pb[i], a[i][j - j0]);
+                                });
+                            } else {
+                                a[0][j - j0] = s.fma(x, s.bcast(w.add(j)), a[0][j - j0]);
+                            }
+                        });
+                    }
+                    unroll!(i in 0, NQ => {
+                        unroll!(j in j0, j1 => {
+                            s.store(acc.as_mut_ptr().add(i * hdp + j * S::L), a[i][j - j0]);
+                        });
+                    });
+                    j0 = j1;
+                }
+            }
         }
         t0 += n;
     }
