@@ -1299,8 +1299,8 @@ unsafe fn zero_sums<S: Simd>(s: S, d: PerToken, pi: &[f32], gch: usize, z: &mut 
                     let pb = s.bcast(pi.as_ptr().add(t + u));
                     let o = (t + u) * d.stride;
                     zt[u][0] = s.fma(s.load(d.ze.add(o)), pb, zt[u][0]);
-                    for c in 1..gch {
-                        zt[u][c] = s.fma(s.load(d.ze.add(o + c * S::L)), pb, zt[u][c]);
+                    for (c, z) in zt[u].iter_mut().enumerate().take(gch).skip(1) {
+                        *z = s.fma(s.load(d.ze.add(o + c * S::L)), pb, *z);
                     }
                 }
             }
