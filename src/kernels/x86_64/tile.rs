@@ -1249,11 +1249,15 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
 
 /// The per-vector scales of a tile whose groups fit one vector
 /// (`gpr ≤ L`): row `t` of `w` gets token `t`'s scales permuted to the
-/// vectors by `ix` (`ne ≤ 2·L` floats per row), times `pw[t]` when given.
+/// vectors by `ix` (`ne ≤ 2·L` floats per row). With the weights `pw` of
+/// a single query, the rows are `pw[t]·scale` and `Σ_t pw[t]·zero_t` is
+/// added into `z` in the same pass (four independent chains).
 ///
 /// # Safety
 /// `d` holds `n` tokens' params with `L` readable floats at each token's
-/// scales; `w` holds `n` rows of `ne`; `pw`, if given, `n` weights.
+/// scales and zeros; `w` holds `n` rows of `ne`; `pw`, if given, `n`
+/// weights.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn expand_scales<S: Simd>(
     s: S,
@@ -1263,21 +1267,33 @@ unsafe fn expand_scales<S: Simd>(
     ne: usize,
     n: usize,
     w: *mut f32,
+    z: &mut S::F,
 ) {
-    for t in 0..n {
-        // SAFETY: the caller's contract; row `t < n`.
-        unsafe {
-            let mut v = s.load(d.sc.add(t * d.stride));
-            if let Some(pw) = pw {
-                v = s.mul(v, s.bcast(pw.as_ptr().add(t)));
+    let mut zt = [s.zero(); 4];
+    let mut t = 0;
+    while t < n {
+        unroll!(u in 0, 4 => {
+            if t + u < n {
+                let o = (t + u) * d.stride;
+                // SAFETY: the caller's contract; row `t + u < n`.
+                unsafe {
+                    let mut v = s.load(d.sc.add(o));
+                    if let Some(pw) = pw {
+                        let pb = s.bcast(pw.as_ptr().add(t + u));
+                        v = s.mul(v, pb);
+                        zt[u] = s.fma(s.load(d.ze.add(o)), pb, zt[u]);
+                    }
+                    let r = w.add((t + u) * ne);
+                    s.store(r, s.permute(v, ix[0]));
+                    if ne > S::L {
+                        s.store(r.add(S::L), s.permute(v, ix[1]));
+                    }
+                }
             }
-            let r = w.add(t * ne);
-            s.store(r, s.permute(v, ix[0]));
-            if ne > S::L {
-                s.store(r.add(S::L), s.permute(v, ix[1]));
-            }
-        }
+        });
+        t += 4;
     }
+    *z = s.add(*z, s.add(s.add(zt[0], zt[1]), s.add(zt[2], zt[3])));
 }
 
 /// `z[c] += Σ_t pi[t]·zero_tc` for the `gch` zero vectors of a tile, in
@@ -1388,7 +1404,8 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
         if perm {
             // SAFETY: the params buffers are padded by `PAD ≥ L` floats
             // past the tile's last token; `wbuf` holds `T ≥ n` rows of `ne`.
-            unsafe { expand_scales(s, d, pw, ix, ne, n, wbuf.m().as_mut_ptr()) };
+            let w = wbuf.m().as_mut_ptr();
+            unsafe { expand_scales(s, d, pw, ix, ne, n, w, &mut zacc[0][0]) };
         } else {
             for t in 0..n {
                 let k = pw.map_or(1.0, |pw| pw[t]);
@@ -1399,9 +1416,12 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 }
             }
         }
-        for (i, z) in zacc.iter_mut().enumerate() {
-            // SAFETY: as above, `PAD ≥ gch·L`.
-            unsafe { zero_sums(s, d, &p[i * t_all + t0..i * t_all + t0 + n], gch, z) };
+        // (One query's zero sums were taken with its weights above.)
+        if fold || !perm {
+            for (i, z) in zacc.iter_mut().enumerate() {
+                // SAFETY: as above, `PAD ≥ gch·L`.
+                unsafe { zero_sums(s, d, &p[i * t_all + t0..i * t_all + t0 + n], gch, z) };
+            }
         }
         // SAFETY: vectors `j < nch` of `acc` (`hdp` floats per query),
         // rows `t0..t0+n ≤ tokens` of `codes` (check_head), scales of
