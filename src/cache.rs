@@ -234,6 +234,15 @@ impl PartialEq for Tensor {
 }
 
 impl Tensor {
+    /// Copy the running per-channel ranges into `(min, max)` (reusing
+    /// their allocations).
+    fn pending_into(&self, p: &mut (Vec<f32>, Vec<f32>)) {
+        p.0.clear();
+        p.0.extend_from_slice(&self.pend_min);
+        p.1.clear();
+        p.1.extend_from_slice(&self.pend_max);
+    }
+
     fn new(layout: Option<Layout>, n_kv: usize, hd: usize, sinks: usize, residual: usize) -> Self {
         let np = match layout {
             Some(l) if l.shared_params() => 1,
@@ -639,6 +648,9 @@ struct Scratch {
     v: Vec<f32>,
     codes: Vec<u8>,
     params: Vec<u8>,
+    /// Working copies of the K and V running ranges (min, max) for a
+    /// call, swapped in on success (reused, so an append allocates nothing).
+    pend: [(Vec<f32>, Vec<f32>); 2],
 }
 
 /// The quantized K/V cache of one attention layer.
@@ -791,8 +803,9 @@ impl LayerCache {
         let n = k.len() / w;
         let chunk = (EXTEND_CHUNK_FLOATS / w).max(8);
         let marks = (self.k.mark(), self.v.mark(), self.len);
-        let mut pk = (self.k.pend_min.clone(), self.k.pend_max.clone());
-        let mut pv = (self.v.pend_min.clone(), self.v.pend_max.clone());
+        let [mut pk, mut pv] = std::mem::take(&mut s.pend);
+        self.k.pending_into(&mut pk);
+        self.v.pending_into(&mut pv);
         let mut q = Scratch {
             codes: std::mem::take(&mut s.codes),
             params: std::mem::take(&mut s.params),
@@ -822,6 +835,14 @@ impl LayerCache {
         }
         s.codes = q.codes;
         s.params = q.params;
+        if ok {
+            // The new ranges in; the old ones kept as next call's buffers.
+            std::mem::swap(&mut self.k.pend_min, &mut pk.0);
+            std::mem::swap(&mut self.k.pend_max, &mut pk.1);
+            std::mem::swap(&mut self.v.pend_min, &mut pv.0);
+            std::mem::swap(&mut self.v.pend_max, &mut pv.1);
+        }
+        s.pend = [pk, pv];
         if !ok {
             self.k.rollback(&marks.0);
             self.v.rollback(&marks.1);
@@ -830,8 +851,6 @@ impl LayerCache {
                 .check_all(op, k, v, n_kv, hd)
                 .expect_err("a chunk failed its check"));
         }
-        (self.k.pend_min, self.k.pend_max) = pk;
-        (self.v.pend_min, self.v.pend_max) = pv;
         self.k.compact();
         self.v.compact();
         Ok(())
