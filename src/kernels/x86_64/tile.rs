@@ -1402,9 +1402,9 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
         let d = tp.deq();
         let pw = (!fold).then(|| &p[t0..t0 + n]);
         if perm {
+            let w = wbuf.m().as_mut_ptr();
             // SAFETY: the params buffers are padded by `PAD ≥ L` floats
             // past the tile's last token; `wbuf` holds `T ≥ n` rows of `ne`.
-            let w = wbuf.m().as_mut_ptr();
             unsafe { expand_scales(s, d, pw, ix, ne, n, w, &mut zacc[0][0]) };
         } else {
             for t in 0..n {
