@@ -28,6 +28,15 @@ macro_rules! unroll {
     };
 }
 
+/// [`unroll!`] for at most 8 iterations (nested unrolls stay small).
+macro_rules! unroll8 {
+    ($j:ident in $lo:expr, $hi:expr => $body:block) => {{
+        let (lo, hi): (usize, usize) = ($lo, $hi);
+        assert!(hi <= lo + 8, "unroll8: more than 8 iterations");
+        unroll!(@go lo, hi, $j, $body, 0 1 2 3 4 5 6 7);
+    }};
+}
+
 /// How many tokens ahead of the tile being computed the kernels ask for
 /// the code and parameter streams. Decode streams the cache from DRAM and
 /// the hardware prefetchers stop at every 4 KiB page; a software prefetch
@@ -546,9 +555,11 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
 }
 
 /// Vector `j` of token `tt`'s row for [`fused_scores_tile`]: the
-/// dequantized codes, or with `NIB` (4-bit raw codes, queries rewritten by
-/// [`nibble_queries`]) the low nibbles of byte vector `j` for
-/// `j < nch/2` and the whole bytes of byte vector `j − nch/2` after.
+/// dequantized codes, or with `NIB` (2- and 4-bit raw codes read a byte
+/// vector at a time, queries rewritten by [`nibble_queries`]) the prefix
+/// `v_f = b & (2^{B·(f+1)} − 1)` of byte vector `j mod h` for level
+/// `f = j div h`, `h = nch·B/8`: for 4 bits the low nibbles and then the
+/// whole bytes; for 2 bits `b & 3`, `b & 15`, `b & 63` and `b`.
 ///
 /// # Safety
 /// `row` valid for the row's bytes; `Geo::fast`; `j < nch`.
@@ -564,12 +575,13 @@ unsafe fn row_vec<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
     // SAFETY: the caller's contract.
     unsafe {
         if NIB {
-            let h = g.nch / 2;
+            let h = g.nch * B as usize / 8;
             let bytes = s.load_u8(row.add(j % h * S::L));
-            if j < h {
-                s.field_f32::<4>(bytes)
-            } else {
-                s.cvt(bytes)
+            match (B, j / h) {
+                (2, 0) => s.field_f32::<2>(bytes),
+                (2, 1) | (4, 0) => s.field_f32::<4>(bytes),
+                (2, 2) => s.cvt(s.shr_mask(bytes, 0, 63)),
+                _ => s.cvt(bytes),
             }
         } else {
             d.apply(s, tt, j, codes_f32::<S, B>(s, row, g.hd, j))
@@ -577,21 +589,32 @@ unsafe fn row_vec<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
     }
 }
 
-/// Rewrite per-channel queries for 4-bit rows read a byte vector at a
-/// time: element `c < hd/2` of a row is the low nibble `lo` of byte `c`
-/// and element `c + hd/2` its high nibble `(b − lo)/16`, so
-/// `q_c·lo + q_{c+hd/2}·(b − lo)/16 = (q_c − q_{c+hd/2}/16)·lo + (q_{c+hd/2}/16)·b`:
-/// the kernel widens each byte vector once and uses the bytes `b` as they
-/// are (a convert) instead of shifting out the high nibbles (a second
-/// widening on the shuffle port). `qs` holds `nq` queries of `hdp` floats.
+/// Rewrite per-channel queries for `bits`-bit rows (2 or 4) read a byte
+/// vector at a time (see [`row_vec`]). Byte `c` of the plane holds the
+/// fields of channels `c + f·m` (`m = hd·bits/8` bytes, `F = 8/bits`
+/// fields); with `v_f` its prefix `b & (2^{bits·(f+1)} − 1)`, field `f` is
+/// `(v_f − v_{f−1})/2^{bits·f}`, so the dot product telescopes:
+/// `Σ_f q_f·x_f = Σ_f v_f·(q_f/2^{bits·f} − q_{f+1}/2^{bits·(f+1)})` with
+/// `q_F = 0`. The kernel widens each byte vector once and masks instead of
+/// shifting each field out (a second widening on the shuffle port). `qs`
+/// holds `nq` queries of `hdp` floats.
 #[inline(always)]
-fn nibble_queries(qs: &mut [f32], nq: usize, hd: usize, hdp: usize) {
-    let h = hd / 2;
+fn nibble_queries(qs: &mut [f32], nq: usize, hd: usize, hdp: usize, bits: u32) {
+    let fields = (8 / bits) as usize;
+    let m = hd / fields;
     for qi in qs.chunks_exact_mut(hdp).take(nq) {
-        let (lo, hi) = qi[..hd].split_at_mut(h);
-        for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
-            *b *= 1.0 / 16.0;
-            *a -= *b;
+        // Scale field `f` by 2^−bits·f (exact), then subtract the next.
+        for f in 1..fields {
+            let k = 1.0 / (1u32 << (bits as usize * f)) as f32;
+            for v in &mut qi[f * m..(f + 1) * m] {
+                *v *= k;
+            }
+        }
+        for f in 0..fields - 1 {
+            let (cur, next) = qi[f * m..(f + 2) * m].split_at_mut(m);
+            for (a, b) in cur.iter_mut().zip(next.iter()) {
+                *a -= *b;
+            }
         }
     }
 }
@@ -924,9 +947,9 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             let (mut sc, mut ze, mut qs) = (Buf::new(hdp), Buf::new(hdp), Buf::new(nq * hdp));
             let mut bias = vec![0f32; nq];
             let set = head.set_len() * head.layout().scheme().param_bytes();
-            // 4-bit rows whose low and high nibble vectors come from the
-            // same bytes: one widening per byte vector (see `nibble_queries`).
-            let nib = B == 4 && fused && (hd / 2).is_multiple_of(S::L);
+            // 2- and 4-bit rows whose field vectors come from the same
+            // bytes: one widening per byte vector (see `nibble_queries`).
+            let nib = matches!(B, 2 | 4) && fused && (hd * B as usize / 8).is_multiple_of(S::L);
             for k in 0..t_all.div_ceil(gl) {
                 let ahead = k + PREFETCH_TOKENS.div_ceil(gl);
                 prefetch(head.params().as_ptr().wrapping_add(ahead * set), set);
@@ -947,7 +970,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                     *bias = s.hsum(b);
                 }
                 if nib {
-                    nibble_queries(qs.m(), nq, hd, hdp);
+                    nibble_queries(qs.m(), nq, hd, hdp, B as u32);
                 }
                 let t_end = ((k + 1) * gl).min(t_all);
                 let mut t0 = k * gl;
@@ -1382,19 +1405,24 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     assert!(acc.len() >= NQ * hdp && gch <= 4 && p.len() >= NQ * t_all);
     // Column blocks: `NQ·jb` accumulators fill half the register file.
     let jb = (S::REGS / 2 / NQ).max(1);
-    // 4-bit rows read a byte vector at a time: byte vector `jj` gives
-    // vectors `jj` and `jj + h`, so a block is `bb` byte vectors and
-    // `2·bb` accumulators per query. The high half accumulates 16x, which
-    // costs 4 bits of exponent headroom: only with f16 scales (at most
-    // 65504), where that overflows only for weights beyond ≈10^32, not for
-    // probabilities.
-    let h = nch / 2;
-    let bb = (jb / 2).max(1).min(h);
-    let nib = B == 4
-        && (g.hd / 2).is_multiple_of(S::L)
+    // 2- and 4-bit rows read a byte vector at a time: byte vector `jj`
+    // gives the `F = 8/B` vectors `jj + f·h` (its fields), so a block is
+    // `bb` byte vectors and `F·bb` accumulators per query. Field `f` is
+    // the exact difference of two masked prefixes of the byte (see
+    // `row_vec`), i.e. `2^{B·f}` times the field; it accumulates at that
+    // scale and is scaled back at the end. That costs up to 6 bits of
+    // exponent headroom: only with f16 scales (at most 65504), where it
+    // overflows only for weights beyond ≈10^30, not for probabilities.
+    let nf = 8 / B as usize;
+    let h = nch / nf;
+    let bb = (jb / nf).max(1).min(h.max(1));
+    let nib = matches!(B, 2 | 4)
+        && (g.hd / nf).is_multiple_of(S::L)
         && h.is_multiple_of(bb)
-        && bb <= 8
+        && bb * nf <= 16
         && tp.p.fmt == ScaleFormat::F16;
+    // Accumulator slots per field.
+    let fs = 16 / nf.max(1);
     let mut t0 = 0;
     while t0 < t_all {
         let n = S::T.min(t_all - t0);
@@ -1435,13 +1463,14 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 let mut jj0 = 0;
                 while jj0 < h {
                     let mut a = [[s.zero(); 16]; NQ];
-                    unroll!(i in 0, NQ => {
-                        unroll!(k in 0, 8 => {
-                            if k < bb {
-                                let lo = acc.as_ptr().add(i * hdp + (jj0 + k) * S::L);
-                                a[i][k] = s.load(lo);
-                                a[i][8 + k] = s.load(lo.add(h * S::L));
-                            }
+                    unroll8!(i in 0, NQ => {
+                        unroll8!(f in 0, 4 => {
+                            unroll8!(k in 0, 8 => {
+                                if f < nf && k < bb {
+                                    let o = i * hdp + (jj0 + k + f * h) * S::L;
+                                    a[i][f * fs + k] = s.load(acc.as_ptr().add(o));
+                                }
+                            });
                         });
                     });
                     for tt in 0..n {
@@ -1449,38 +1478,50 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         let w = wbuf.s().as_ptr().add(tt * ne + jj0);
                         let mut pb = [s.zero(); NQ];
                         if fold {
-                            unroll!(i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                            unroll8!(i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
                         }
-                        // One widening per byte vector: its low nibbles
-                        // are vector `jj`, and `b − lo` (exact) is 16x the
-                        // high nibbles of vector `jj + h` (scaled back at
-                        // the end).
-                        unroll!(k in 0, 8 => {
+                        // One widening per byte vector; field `f` (vector
+                        // `jj + f·h`) is `v_f − v_{f−1}` of the masked
+                        // prefixes, exact and `2^{B·f}` times the field.
+                        unroll8!(k in 0, 8 => {
                             if k < bb {
                                 let bytes = s.load_u8(row.add(k * S::L));
-                                let lo = s.field_f32::<4>(bytes);
-                                let hi16 = s.sub(s.cvt(bytes), lo);
-                                if fold {
-                                    let lo = s.mul(lo, s.bcast(w.add(k)));
-                                    let hi16 = s.mul(hi16, s.bcast(w.add(h + k)));
-                                    unroll!(i in 0, NQ => {
-                                        a[i][k] = s.fma(lo, pb[i], a[i][k]);
-                                        a[i][8 + k] = s.fma(hi16, pb[i], a[i][8 + k]);
-                                    });
+                                let mut x = [s.zero(); 4];
+                                if B == 4 {
+                                    x[0] = s.field_f32::<4>(bytes);
+                                    x[1] = s.sub(s.cvt(bytes), x[0]);
                                 } else {
-                                    a[0][k] = s.fma(lo, s.bcast(w.add(k)), a[0][k]);
-                                    a[0][8 + k] = s.fma(hi16, s.bcast(w.add(h + k)), a[0][8 + k]);
+                                    let v1 = s.field_f32::<4>(bytes);
+                                    let v2 = s.cvt(s.shr_mask(bytes, 0, 63));
+                                    x[0] = s.field_f32::<2>(bytes);
+                                    x[1] = s.sub(v1, x[0]);
+                                    x[2] = s.sub(v2, v1);
+                                    x[3] = s.sub(s.cvt(bytes), v2);
                                 }
+                                unroll8!(f in 0, 4 => {
+                                    if f < nf {
+                                        let wf = s.bcast(w.add(f * h + k));
+                                        if fold {
+                                            let xf = s.mul(x[f], wf);
+                                            unroll8!(i in 0, NQ => {
+                                                a[i][f * fs + k] = s.fma(xf, pb[i], a[i][f * fs + k]);
+                                            });
+                                        } else {
+                                            a[0][f * fs + k] = s.fma(x[f], wf, a[0][f * fs + k]);
+                                        }
+                                    }
+                                });
                             }
                         });
                     }
-                    unroll!(i in 0, NQ => {
-                        unroll!(k in 0, 8 => {
-                            if k < bb {
-                                let lo = acc.as_mut_ptr().add(i * hdp + (jj0 + k) * S::L);
-                                s.store(lo, a[i][k]);
-                                s.store(lo.add(h * S::L), a[i][8 + k]);
-                            }
+                    unroll8!(i in 0, NQ => {
+                        unroll8!(f in 0, 4 => {
+                            unroll8!(k in 0, 8 => {
+                                if f < nf && k < bb {
+                                    let o = i * hdp + (jj0 + k + f * h) * S::L;
+                                    s.store(acc.as_mut_ptr().add(o), a[i][f * fs + k]);
+                                }
+                            });
                         });
                     });
                     jj0 += bb;
@@ -1526,9 +1567,14 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
         t0 += n;
     }
     if nib {
+        // Field `f` (channels `f·hd/F ..`) accumulated at `2^{B·f}`.
+        let m = g.hd / nf;
         for a in acc.chunks_exact_mut(hdp).take(NQ) {
-            for v in &mut a[g.hd / 2..g.hd] {
-                *v *= 1.0 / 16.0;
+            for f in 1..nf {
+                let k = 1.0 / (1u32 << (B as usize * f)) as f32;
+                for v in &mut a[f * m..(f + 1) * m] {
+                    *v *= k;
+                }
             }
         }
     }
