@@ -576,16 +576,24 @@ unsafe fn row_vec<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
     unsafe {
         if NIB {
             let h = g.nch * B as usize / 8;
-            let bytes = s.load_u8(row.add(j % h * S::L));
-            match (B, j / h) {
-                (2, 0) => s.field_f32::<2>(bytes),
-                (2, 1) | (4, 0) => s.field_f32::<4>(bytes),
-                (2, 2) => s.cvt(s.shr_mask(bytes, 0, 63)),
-                _ => s.cvt(bytes),
-            }
+            byte_prefix::<S, B>(s, s.load_u8(row.add(j % h * S::L)), j / h)
         } else {
             d.apply(s, tt, j, codes_f32::<S, B>(s, row, g.hd, j))
         }
+    }
+}
+
+/// Prefix `f` of `B`-bit fields (`B` 2 or 4) of widened bytes as floats:
+/// `b & (2^{B·(f+1)} − 1)` — for 4 bits the low nibble, then the byte; for
+/// 2 bits `b & 3`, `b & 15`, `b & 63`, then the byte. Field `f` is
+/// `(prefix f − prefix f−1)/2^{B·f}`, exactly.
+#[inline(always)]
+fn byte_prefix<S: Simd, const B: u8>(s: S, bytes: S::I, f: usize) -> S::F {
+    match (B, f) {
+        (2, 0) => s.field_f32::<2>(bytes),
+        (2, 1) | (4, 0) => s.field_f32::<4>(bytes),
+        (2, 2) => s.cvt(s.shr_mask(bytes, 0, 63)),
+        _ => s.cvt(bytes),
     }
 }
 
@@ -1422,7 +1430,7 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
         && bb * nf <= 16
         && tp.p.fmt == ScaleFormat::F16;
     // Accumulator slots per field.
-    let fs = 16 / nf.max(1);
+    let fs = 16 / nf;
     let mut t0 = 0;
     while t0 < t_all {
         let n = S::T.min(t_all - t0);
@@ -1486,18 +1494,14 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         unroll8!(k in 0, 8 => {
                             if k < bb {
                                 let bytes = s.load_u8(row.add(k * S::L));
+                                let mut v = [s.zero(); 4];
                                 let mut x = [s.zero(); 4];
-                                if B == 4 {
-                                    x[0] = s.field_f32::<4>(bytes);
-                                    x[1] = s.sub(s.cvt(bytes), x[0]);
-                                } else {
-                                    let v1 = s.field_f32::<4>(bytes);
-                                    let v2 = s.cvt(s.shr_mask(bytes, 0, 63));
-                                    x[0] = s.field_f32::<2>(bytes);
-                                    x[1] = s.sub(v1, x[0]);
-                                    x[2] = s.sub(v2, v1);
-                                    x[3] = s.sub(s.cvt(bytes), v2);
-                                }
+                                unroll8!(f in 0, 4 => {
+                                    if f < nf {
+                                        v[f] = byte_prefix::<S, B>(s, bytes, f);
+                                        x[f] = if f == 0 { v[0] } else { s.sub(v[f], v[f - 1]) };
+                                    }
+                                });
                                 unroll8!(f in 0, 4 => {
                                     if f < nf {
                                         let wf = s.bcast(w.add(f * h + k));
