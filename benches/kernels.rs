@@ -28,10 +28,13 @@
 //! heads split over two `std::thread::scope` threads) so the kernels'
 //! DRAM-streaming speed is measured without the cache around them.
 
+mod common;
+
+use common::{attend, bytes_of, cold_copies, data, layer_cases, quantize, scheme, Layer, N_KV};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::f16;
 use kvq::kernels::{self, dense};
-use kvq::{Axis, Backend, Group, KvQuantizer, PackedBlock, QuantScheme, UniformQuantizer};
+use kvq::{Axis, Backend};
 use std::cell::OnceCell;
 use std::hint::black_box;
 use std::time::Duration;
@@ -46,30 +49,6 @@ fn contexts() -> Vec<usize> {
     } else {
         vec![4096, 32768]
     }
-}
-
-/// Deterministic pseudo-random values in `[-1, 1)`.
-fn data(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
-fn scheme(bits: u8, axis: Axis) -> QuantScheme {
-    QuantScheme::new(bits, axis, Group::Size(32)).unwrap()
-}
-
-fn quantize(bits: u8, axis: Axis, n_kv: usize, hd: usize, x: &[f32], tokens: usize) -> PackedBlock {
-    UniformQuantizer::new(scheme(bits, axis), n_kv, hd)
-        .unwrap()
-        .quantize(x, tokens)
-        .unwrap()
 }
 
 fn label(bits: u8, axis: Axis) -> String {
@@ -183,141 +162,6 @@ fn single_head(c: &mut Criterion) {
     }
 }
 
-/// A whole layer's K and V for one decode step.
-#[derive(Clone)]
-enum Layer {
-    /// Packed K (per-channel) and V (per-token); `i8q`: scores through the
-    /// opt-in int8-query kernel.
-    Packed {
-        k: PackedBlock,
-        v: PackedBlock,
-        i8q: bool,
-    },
-    F16 {
-        k: Vec<Vec<f16>>,
-        v: Vec<Vec<f16>>,
-    },
-    F32 {
-        k: Vec<Vec<f32>>,
-        v: Vec<Vec<f32>>,
-    },
-    /// The roofline: as many bytes as the f16 layer, only read (summed as
-    /// integers), no arithmetic to speak of.
-    Read {
-        k: Vec<Vec<u64>>,
-        v: Vec<Vec<u64>>,
-    },
-}
-
-/// Sum of the words (four independent chains, so it is bound by the
-/// loads, not by the adds).
-fn read_sum(x: &[u64]) -> u64 {
-    let mut a = [0u64; 8];
-    for c in x.chunks_exact(8) {
-        for i in 0..8 {
-            a[i] = a[i].wrapping_add(c[i]);
-        }
-    }
-    a.iter().fold(0, |s, &v| s.wrapping_add(v))
-}
-
-const N_KV: usize = 8;
-const THREADS: usize = 2;
-
-impl Layer {
-    fn bytes(&self) -> usize {
-        match self {
-            Layer::Packed { k, v, .. } => k.bytes() + v.bytes(),
-            Layer::F16 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 2,
-            Layer::F32 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 4,
-            Layer::Read { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 8,
-        }
-    }
-
-    /// Scores, softmax and weighted sum of KV head `h` for its `nq`
-    /// queries (`q`, `out` `[nq, hd]`), with `s` as scratch.
-    fn head(&self, be: Backend, h: usize, hd: usize, q: &[f32], s: &mut [f32], out: &mut [f32]) {
-        let nq = q.len() / hd;
-        let ctx = s.len() / nq;
-        if let Layer::Read { k, v } = self {
-            out[0] = (read_sum(&k[h]) ^ read_sum(&v[h])) as f32;
-            return;
-        }
-        match self {
-            Layer::Packed { k, i8q: false, .. } => {
-                kernels::scores_on(be, &k.head(h), q, s).unwrap()
-            }
-            Layer::Packed { k, i8q: true, .. } => {
-                kernels::scores_i8_on(be, &k.head(h), q, s).unwrap()
-            }
-            Layer::F16 { k, .. } => dense::scores_f16_on(be, hd, &k[h], q, s).unwrap(),
-            Layer::F32 { k, .. } => dense::scores_f32_on(be, hd, &k[h], q, s).unwrap(),
-            Layer::Read { .. } => unreachable!(),
-        }
-        for row in s.chunks_mut(ctx) {
-            kernels::softmax_on(be, row);
-        }
-        out.fill(0.0);
-        match self {
-            Layer::Packed { v, .. } => kernels::weighted_sum_on(be, &v.head(h), s, out).unwrap(),
-            Layer::F16 { v, .. } => dense::weighted_sum_f16_on(be, hd, &v[h], s, out).unwrap(),
-            Layer::F32 { v, .. } => dense::weighted_sum_f32_on(be, hd, &v[h], s, out).unwrap(),
-            Layer::Read { .. } => unreachable!(),
-        }
-    }
-}
-
-/// One decode step over all heads, heads split across `THREADS` threads.
-fn attend(layer: &Layer, be: Backend, hd: usize, ctx: usize, q: &[f32], out: &mut [f32]) {
-    let per = q.len() / N_KV; // nq·hd per KV head
-    let nq = per / hd;
-    std::thread::scope(|sc| {
-        let heads_per = N_KV / THREADS;
-        for (ti, (qc, oc)) in q
-            .chunks(per * heads_per)
-            .zip(out.chunks_mut(per * heads_per))
-            .enumerate()
-        {
-            sc.spawn(move || {
-                let mut s = vec![0f32; nq * ctx];
-                for (k, (qh, oh)) in qc.chunks(per).zip(oc.chunks_mut(per)).enumerate() {
-                    layer.head(be, ti * heads_per + k, hd, qh, &mut s, oh);
-                }
-            });
-        }
-    });
-}
-
-/// Bytes of a layer case by its name (without building it).
-fn bytes_of(name: &str, ctx: usize, hd: usize) -> usize {
-    let elems = 2 * N_KV * ctx * hd;
-    match name {
-        "dense-f16" | "dram-read" => elems * 2,
-        "dense-f32" => elems * 4,
-        _ => {
-            let bits: u8 = name
-                .split(' ')
-                .nth(1)
-                .and_then(|b| b[..1].parse().ok())
-                .unwrap();
-            let k = scheme(bits, Axis::PerChannel)
-                .layout(N_KV, hd)
-                .unwrap()
-                .bytes(ctx);
-            let v = scheme(bits, Axis::PerToken)
-                .layout(N_KV, hd)
-                .unwrap()
-                .bytes(ctx);
-            k + v
-        }
-    }
-}
-
-/// Rotate over copies of the layer until they add up to 1 GiB (this
-/// machine's last-level cache is 48 MiB), so every call streams from DRAM,
-/// as a many-layer model's cache does.
-const COLD_BYTES: usize = 1 << 30;
-
 fn attend_group(c: &mut Criterion) {
     let hd = 128;
     let be = Backend::detect();
@@ -332,78 +176,7 @@ fn attend_group(c: &mut Criterion) {
             let vx = data(ctx * N_KV * hd, 12);
             let q = data(N_KV * nq * hd, 13);
             let mut out = vec![0f32; N_KV * nq * hd];
-            // Head-major dense copies for the baselines.
-            let split = |x: &[f32]| -> Vec<Vec<f32>> {
-                (0..N_KV)
-                    .map(|h| {
-                        (0..ctx)
-                            .flat_map(|t| {
-                                x[(t * N_KV + h) * hd..(t * N_KV + h + 1) * hd]
-                                    .iter()
-                                    .copied()
-                            })
-                            .collect()
-                    })
-                    .collect()
-            };
-            let mut cases: Vec<(String, Box<dyn Fn() -> Layer>)> = vec![
-                (
-                    "dram-read".into(),
-                    Box::new(|| {
-                        let words = ctx * hd / 4; // f16 bytes of one head / 8
-                        let w = |seed: u64| {
-                            (0..N_KV)
-                                .map(|h| (0..words as u64).map(|i| i ^ seed ^ h as u64).collect())
-                                .collect()
-                        };
-                        Layer::Read { k: w(1), v: w(2) }
-                    }),
-                ),
-                (
-                    "dense-f16".into(),
-                    Box::new(|| {
-                        let h = |x: &[f32]| {
-                            split(x)
-                                .into_iter()
-                                .map(|r| r.iter().map(|&v| f16::from_f32(v)).collect())
-                                .collect()
-                        };
-                        Layer::F16 {
-                            k: h(&kx),
-                            v: h(&vx),
-                        }
-                    }),
-                ),
-                (
-                    "dense-f32".into(),
-                    Box::new(|| Layer::F32 {
-                        k: split(&kx),
-                        v: split(&vx),
-                    }),
-                ),
-            ];
-            for (bits, i8q) in [
-                (2u8, false),
-                (3, false),
-                (4, false),
-                (8, false),
-                (4, true),
-                (8, true),
-            ] {
-                let (kx, vx) = (&kx, &vx);
-                cases.push((
-                    format!(
-                        "{} {bits}b-kivi32{}",
-                        be.name(),
-                        if i8q { "-i8q" } else { "" }
-                    ),
-                    Box::new(move || Layer::Packed {
-                        k: quantize(bits, Axis::PerChannel, N_KV, hd, kx, ctx),
-                        v: quantize(bits, Axis::PerToken, N_KV, hd, vx, ctx),
-                        i8q,
-                    }),
-                ));
-            }
+            let cases = layer_cases(be, hd, ctx, &kx, &vx);
             for (name, make) in cases {
                 let layers: OnceCell<Vec<Layer>> = OnceCell::new();
                 let bytes = bytes_of(&name, ctx, hd);
@@ -411,9 +184,7 @@ fn attend_group(c: &mut Criterion) {
                 let mut i = 0;
                 g.bench_function(BenchmarkId::new(name, ctx), |b| {
                     let layers = layers.get_or_init(|| {
-                        let copies = COLD_BYTES.div_ceil(bytes).clamp(1, 64);
-                        let first = make();
-                        let v: Vec<Layer> = (0..copies).map(|_| first.clone()).collect();
+                        let v = cold_copies(make());
                         assert_eq!(v[0].bytes(), bytes);
                         v
                     });

@@ -1,0 +1,274 @@
+//! What the decode benches share: deterministic data, the KIVI-style
+//! packed layer and its dense baselines, and the multi-head `attend` loop
+//! (`benches/kernels.rs` times it with criterion, `benches/paired.rs`
+//! interleaves the cases call by call).
+
+use half::f16;
+use kvq::kernels::{self, dense};
+use kvq::{Axis, Backend, Group, KvQuantizer, PackedBlock, QuantScheme, UniformQuantizer};
+
+/// Deterministic pseudo-random values in `[-1, 1)`.
+pub fn data(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+pub fn scheme(bits: u8, axis: Axis) -> QuantScheme {
+    QuantScheme::new(bits, axis, Group::Size(32)).unwrap()
+}
+
+pub fn quantize(
+    bits: u8,
+    axis: Axis,
+    n_kv: usize,
+    hd: usize,
+    x: &[f32],
+    tokens: usize,
+) -> PackedBlock {
+    UniformQuantizer::new(scheme(bits, axis), n_kv, hd)
+        .unwrap()
+        .quantize(x, tokens)
+        .unwrap()
+}
+
+/// A whole layer's K and V for one decode step.
+#[derive(Clone)]
+pub enum Layer {
+    /// Packed K (per-channel) and V (per-token); `i8q`: scores through the
+    /// opt-in int8-query kernel.
+    Packed {
+        k: PackedBlock,
+        v: PackedBlock,
+        i8q: bool,
+    },
+    F16 {
+        k: Vec<Vec<f16>>,
+        v: Vec<Vec<f16>>,
+    },
+    F32 {
+        k: Vec<Vec<f32>>,
+        v: Vec<Vec<f32>>,
+    },
+    /// The roofline: as many bytes as the f16 layer, only read (summed as
+    /// integers), no arithmetic to speak of.
+    Read {
+        k: Vec<Vec<u64>>,
+        v: Vec<Vec<u64>>,
+    },
+}
+
+/// Sum of the words (four independent chains, so it is bound by the
+/// loads, not by the adds).
+fn read_sum(x: &[u64]) -> u64 {
+    let mut a = [0u64; 8];
+    for c in x.chunks_exact(8) {
+        for i in 0..8 {
+            a[i] = a[i].wrapping_add(c[i]);
+        }
+    }
+    a.iter().fold(0, |s, &v| s.wrapping_add(v))
+}
+
+pub const N_KV: usize = 8;
+pub const THREADS: usize = 2;
+
+impl Layer {
+    pub fn bytes(&self) -> usize {
+        match self {
+            Layer::Packed { k, v, .. } => k.bytes() + v.bytes(),
+            Layer::F16 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 2,
+            Layer::F32 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 4,
+            Layer::Read { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 8,
+        }
+    }
+
+    /// Scores, softmax and weighted sum of KV head `h` for its `nq`
+    /// queries (`q`, `out` `[nq, hd]`), with `s` as scratch.
+    pub fn head(
+        &self,
+        be: Backend,
+        h: usize,
+        hd: usize,
+        q: &[f32],
+        s: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let nq = q.len() / hd;
+        let ctx = s.len() / nq;
+        if let Layer::Read { k, v } = self {
+            out[0] = (read_sum(&k[h]) ^ read_sum(&v[h])) as f32;
+            return;
+        }
+        match self {
+            Layer::Packed { k, i8q: false, .. } => {
+                kernels::scores_on(be, &k.head(h), q, s).unwrap()
+            }
+            Layer::Packed { k, i8q: true, .. } => {
+                kernels::scores_i8_on(be, &k.head(h), q, s).unwrap()
+            }
+            Layer::F16 { k, .. } => dense::scores_f16_on(be, hd, &k[h], q, s).unwrap(),
+            Layer::F32 { k, .. } => dense::scores_f32_on(be, hd, &k[h], q, s).unwrap(),
+            Layer::Read { .. } => unreachable!(),
+        }
+        for row in s.chunks_mut(ctx) {
+            kernels::softmax_on(be, row);
+        }
+        out.fill(0.0);
+        match self {
+            Layer::Packed { v, .. } => kernels::weighted_sum_on(be, &v.head(h), s, out).unwrap(),
+            Layer::F16 { v, .. } => dense::weighted_sum_f16_on(be, hd, &v[h], s, out).unwrap(),
+            Layer::F32 { v, .. } => dense::weighted_sum_f32_on(be, hd, &v[h], s, out).unwrap(),
+            Layer::Read { .. } => unreachable!(),
+        }
+    }
+}
+
+/// One decode step over all heads, heads split across `THREADS` threads.
+pub fn attend(layer: &Layer, be: Backend, hd: usize, ctx: usize, q: &[f32], out: &mut [f32]) {
+    let per = q.len() / N_KV; // nq·hd per KV head
+    let nq = per / hd;
+    std::thread::scope(|sc| {
+        let heads_per = N_KV / THREADS;
+        for (ti, (qc, oc)) in q
+            .chunks(per * heads_per)
+            .zip(out.chunks_mut(per * heads_per))
+            .enumerate()
+        {
+            sc.spawn(move || {
+                let mut s = vec![0f32; nq * ctx];
+                for (k, (qh, oh)) in qc.chunks(per).zip(oc.chunks_mut(per)).enumerate() {
+                    layer.head(be, ti * heads_per + k, hd, qh, &mut s, oh);
+                }
+            });
+        }
+    });
+}
+
+/// Bytes of a layer case by its name (without building it).
+pub fn bytes_of(name: &str, ctx: usize, hd: usize) -> usize {
+    let elems = 2 * N_KV * ctx * hd;
+    match name {
+        "dense-f16" | "dram-read" => elems * 2,
+        "dense-f32" => elems * 4,
+        _ => {
+            let bits: u8 = name
+                .split(' ')
+                .nth(1)
+                .and_then(|b| b[..1].parse().ok())
+                .unwrap();
+            let k = scheme(bits, Axis::PerChannel)
+                .layout(N_KV, hd)
+                .unwrap()
+                .bytes(ctx);
+            let v = scheme(bits, Axis::PerToken)
+                .layout(N_KV, hd)
+                .unwrap()
+                .bytes(ctx);
+            k + v
+        }
+    }
+}
+
+/// Rotate over copies of the layer until they add up to 1 GiB (this
+/// machine's last-level cache is 48 MiB), so every call streams from DRAM,
+/// as a many-layer model's cache does.
+pub const COLD_BYTES: usize = 1 << 30;
+
+/// A boxed layer builder.
+pub type Make<'a> = Box<dyn Fn() -> Layer + 'a>;
+
+/// Head-major copy (`[N_KV][ctx·hd]`) of `[ctx, N_KV, hd]` values.
+fn split(x: &[f32], ctx: usize, hd: usize) -> Vec<Vec<f32>> {
+    (0..N_KV)
+        .map(|h| {
+            (0..ctx)
+                .flat_map(|t| {
+                    x[(t * N_KV + h) * hd..(t * N_KV + h + 1) * hd]
+                        .iter()
+                        .copied()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The `attend` cases at one context, by name: the `dram-read` roofline,
+/// the dense f16 and f32 baselines, then `<backend> {2,3,4,8}b-kivi32` and
+/// the `-i8q` int8-query variants of 4 and 8 bits. `kx`/`vx` are
+/// `[ctx, N_KV, hd]`.
+pub fn layer_cases<'a>(
+    be: Backend,
+    hd: usize,
+    ctx: usize,
+    kx: &'a [f32],
+    vx: &'a [f32],
+) -> Vec<(String, Make<'a>)> {
+    let mut cases: Vec<(String, Make<'a>)> = vec![
+        (
+            "dram-read".into(),
+            Box::new(move || {
+                let words = ctx * hd / 4; // f16 bytes of one head / 8
+                let w = |seed: u64| {
+                    (0..N_KV)
+                        .map(|h| (0..words as u64).map(|i| i ^ seed ^ h as u64).collect())
+                        .collect()
+                };
+                Layer::Read { k: w(1), v: w(2) }
+            }),
+        ),
+        (
+            "dense-f16".into(),
+            Box::new(move || {
+                let h = |x: &[f32]| {
+                    split(x, ctx, hd)
+                        .into_iter()
+                        .map(|r| r.iter().map(|&v| f16::from_f32(v)).collect())
+                        .collect()
+                };
+                Layer::F16 { k: h(kx), v: h(vx) }
+            }),
+        ),
+        (
+            "dense-f32".into(),
+            Box::new(move || Layer::F32 {
+                k: split(kx, ctx, hd),
+                v: split(vx, ctx, hd),
+            }),
+        ),
+    ];
+    for (bits, i8q) in [
+        (2u8, false),
+        (3, false),
+        (4, false),
+        (8, false),
+        (4, true),
+        (8, true),
+    ] {
+        cases.push((
+            format!(
+                "{} {bits}b-kivi32{}",
+                be.name(),
+                if i8q { "-i8q" } else { "" }
+            ),
+            Box::new(move || Layer::Packed {
+                k: quantize(bits, Axis::PerChannel, N_KV, hd, kx, ctx),
+                v: quantize(bits, Axis::PerToken, N_KV, hd, vx, ctx),
+                i8q,
+            }),
+        ));
+    }
+    cases
+}
+
+/// `COLD_BYTES` worth of copies of `first` (at least one, at most 64).
+pub fn cold_copies(first: Layer) -> Vec<Layer> {
+    let copies = COLD_BYTES.div_ceil(first.bytes()).clamp(1, 64);
+    (0..copies).map(|_| first.clone()).collect()
+}

@@ -1,0 +1,119 @@
+//! The multi-head `attend` cases of `benches/kernels.rs`, measured in
+//! interleaved rounds, so their ratios to the f16 baseline survive a noisy
+//! host.
+//!
+//! ```text
+//! cargo bench --bench paired                  # ctx 32768, 1 and 4 queries per KV head
+//! cargo bench --bench paired -- 4b 8b         # only cases whose name contains 4b or 8b
+//! KVQ_PAIRED_ROUNDS=200 cargo bench --bench paired
+//! KVQ_BENCH_FULL=1 cargo bench --bench paired # + ctx 131072
+//! ```
+//!
+//! Why a second harness: criterion measures one case for a few seconds,
+//! then the next. On a shared host whose speed drifts by tens of percent
+//! within minutes (see `docs/PERFORMANCE.md`), the ratio of two criterion
+//! medians then mixes the host's drift into the kernels' difference. Here
+//! every round calls every case once, back to back (the order rotates from
+//! round to round), so the f16 call and the packed call of a round see the
+//! same host; the median over rounds of `f16 time / case time` cancels the
+//! drift. The times themselves are printed too (min and median), with GB/s
+//! of cache streamed at the median.
+//!
+//! Same shape as criterion's `attend/hd128/q{N}`: 8 KV heads, head_dim
+//! 128, two threads across heads, each case's layer copied until the
+//! copies add up to 1 GiB and rotated, so every call streams from DRAM.
+//! Nothing is asserted here; the numbers go to `docs/PERFORMANCE.md`.
+
+mod common;
+
+use common::{attend, bytes_of, cold_copies, data, layer_cases, Layer, N_KV};
+use kvq::Backend;
+use std::hint::black_box;
+use std::time::Instant;
+
+const BASELINE: &str = "dense-f16";
+
+fn rounds() -> usize {
+    std::env::var("KVQ_PAIRED_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100)
+        .max(3)
+}
+
+/// The `q`-quantile (0..=1) of `v` (sorted in place).
+fn quantile(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; other arguments filter the cases.
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let keep = |name: &str| {
+        name == BASELINE || filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
+    };
+    let full = std::env::var("KVQ_BENCH_FULL").is_ok_and(|v| v == "1");
+    let ctxs: &[usize] = if full { &[32768, 131072] } else { &[32768] };
+    let (hd, be, warm, rounds) = (128, Backend::detect(), 3, rounds());
+    for &ctx in ctxs {
+        let kx = data(ctx * N_KV * hd, 11);
+        let vx = data(ctx * N_KV * hd, 12);
+        let cases: Vec<(String, Vec<Layer>)> = layer_cases(be, hd, ctx, &kx, &vx)
+            .into_iter()
+            .filter(|(name, _)| keep(name))
+            .map(|(name, make)| (name, cold_copies(make())))
+            .collect();
+        let base = cases
+            .iter()
+            .position(|(n, _)| n == BASELINE)
+            .expect("the f16 baseline is always a case");
+        for nq in [1, 4] {
+            let q = data(N_KV * nq * hd, 13);
+            let mut out = vec![0f32; N_KV * nq * hd];
+            let mut times = vec![Vec::with_capacity(rounds); cases.len()];
+            for r in 0..warm + rounds {
+                for k in 0..cases.len() {
+                    let c = (r + k) % cases.len();
+                    let layers = &cases[c].1;
+                    let layer = &layers[r % layers.len()];
+                    let t = Instant::now();
+                    attend(layer, be, hd, ctx, black_box(&q), &mut out);
+                    let ms = t.elapsed().as_secs_f64() * 1e3;
+                    if r >= warm {
+                        times[c].push(ms);
+                    }
+                }
+            }
+            println!(
+                "\nattend/hd{hd}/q{nq}, ctx {ctx}, {} backend, {rounds} rounds \
+                 (+{warm} warm-up), 2 threads, 1 GiB rotated per case",
+                be.name()
+            );
+            println!(
+                "| case | min ms | median ms | GB/s at median | f16 ÷ case, median of rounds | p25–p75 |"
+            );
+            println!("|---|---:|---:|---:|---:|---:|");
+            for (c, (name, _)) in cases.iter().enumerate() {
+                let mut ratios: Vec<f64> = times[base]
+                    .iter()
+                    .zip(&times[c])
+                    .map(|(b, t)| b / t)
+                    .collect();
+                let mut t = times[c].clone();
+                let med = quantile(&mut t, 0.5);
+                let gbs = bytes_of(name, ctx, hd) as f64 / med / 1e6;
+                println!(
+                    "| {name} | {:.2} | {med:.2} | {gbs:.1} | **{:.2}x** | {:.2}–{:.2}x |",
+                    quantile(&mut t, 0.0),
+                    quantile(&mut ratios, 0.5),
+                    quantile(&mut ratios, 0.25),
+                    quantile(&mut ratios, 0.75),
+                );
+            }
+        }
+    }
+}
