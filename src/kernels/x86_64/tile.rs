@@ -1336,30 +1336,36 @@ unsafe fn expand_scales<S: Simd>(
 #[inline(always)]
 unsafe fn zero_sums<S: Simd>(s: S, d: PerToken, pi: &[f32], gch: usize, z: &mut [S::F; 4]) {
     let n = pi.len();
+    // Indexed by unrolled constants only, so the chains stay in registers
+    // (an iterator over `zt[u]` put them on the stack: a store-to-load
+    // forwarding round trip per FMA).
     let mut zt = [[s.zero(); 4]; 4];
     let mut t = 0;
     while t < n {
-        unroll!(u in 0, 4 => {
+        unroll8!(u in 0, 4 => {
             if t + u < n {
                 // SAFETY: the caller's contract; token `t + u < n`.
                 unsafe {
                     let pb = s.bcast(pi.as_ptr().add(t + u));
                     let o = (t + u) * d.stride;
-                    zt[u][0] = s.fma(s.load(d.ze.add(o)), pb, zt[u][0]);
-                    for (c, z) in zt[u].iter_mut().enumerate().take(gch).skip(1) {
-                        *z = s.fma(s.load(d.ze.add(o + c * S::L)), pb, *z);
-                    }
+                    unroll8!(c in 0, 4 => {
+                        if c < gch {
+                            zt[u][c] = s.fma(s.load(d.ze.add(o + c * S::L)), pb, zt[u][c]);
+                        }
+                    });
                 }
             }
         });
         t += 4;
     }
-    for (c, z) in z.iter_mut().enumerate().take(gch) {
-        *z = s.add(
-            *z,
-            s.add(s.add(zt[0][c], zt[1][c]), s.add(zt[2][c], zt[3][c])),
-        );
-    }
+    unroll8!(c in 0, 4 => {
+        if c < gch {
+            z[c] = s.add(
+                z[c],
+                s.add(s.add(zt[0][c], zt[1][c]), s.add(zt[2][c], zt[3][c])),
+            );
+        }
+    });
 }
 
 /// Fused weighted sum of per-token values for `NQ` queries: each row is
