@@ -1282,18 +1282,21 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
 /// (`gpr ≤ L`): row `t` of `w` gets token `t`'s scales permuted to the
 /// vectors by `ix` (`ne ≤ 2·L` floats per row). With the weights `pw` of
 /// a single query, the rows are `pw[t]·scale` and `Σ_t pw[t]·zero_t` is
-/// added into `z` in the same pass (four independent chains).
+/// added into `z` in the same pass (four independent chains). With `zo =
+/// (zr, f)`, row `t` of `zr` gets the zeros permuted the same way, times
+/// the per-vector factors `f`.
 ///
 /// # Safety
 /// `d` holds `n` tokens' params with `L` readable floats at each token's
-/// scales and zeros; `w` holds `n` rows of `ne`; `pw`, if given, `n`
-/// weights.
+/// scales and zeros; `w` (and `zr`) hold `n` rows of `ne`; `pw`, if given,
+/// `n` weights.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn expand_scales<S: Simd>(
     s: S,
     d: PerToken,
     pw: Option<&[f32]>,
+    zo: Option<(*mut f32, [S::F; 2])>,
     ix: [S::I; 2],
     ne: usize,
     n: usize,
@@ -1318,6 +1321,14 @@ unsafe fn expand_scales<S: Simd>(
                     s.store(r, s.permute(v, ix[0]));
                     if ne > S::L {
                         s.store(r.add(S::L), s.permute(v, ix[1]));
+                    }
+                    if let Some((zr, f)) = zo {
+                        let ze = s.load(d.ze.add(o));
+                        let r = zr.add((t + u) * ne);
+                        s.store(r, s.mul(s.permute(ze, ix[0]), f[0]));
+                        if ne > S::L {
+                            s.store(r.add(S::L), s.mul(s.permute(ze, ix[1]), f[1]));
+                        }
                     }
                 }
             }
@@ -1369,16 +1380,17 @@ unsafe fn zero_sums<S: Simd>(s: S, d: PerToken, pi: &[f32], gch: usize, z: &mut 
 }
 
 /// Fused weighted sum of per-token values for `NQ` queries: each row is
-/// unpacked into registers once and added into every query; `Σ_t
-/// p_it·zero_tg` is kept per group and added at the end. Accumulators
+/// unpacked into registers once and added into every query. Accumulators
 /// live in registers for a tile at a time, `NQ ×` a column block of
 /// vectors filling half the register file.
 ///
 /// The scales are expanded per vector (`w[t·ne + j]` is the scale of
 /// vector `j`'s group), so every broadcast in the inner loop is a constant
 /// offset from the token's row. One query folds its weight in
-/// (`w = p_t·scale_tg`: one FMA per code vector); several scale each code
-/// vector once and take it into every query with `p_it`.
+/// (`w = p_t·scale_tg`: one FMA per code vector) and keeps `Σ_t
+/// p_t·zero_tg` per group, added at the end. Several queries dequantize
+/// each code vector once (`code·scale + zero`, one FMA, zeros expanded
+/// like the scales) and take it into every query with `p_it`.
 ///
 /// # Safety
 /// `check_head` passed for `NQ` queries; `Geo::fast`, `nch ≤ MAX_NCH`,
@@ -1437,6 +1449,19 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
         && tp.p.fmt == ScaleFormat::F16;
     // Accumulator slots per field.
     let fs = 16 / nf;
+    // Several queries fold each vector's zero in with its scale (`x·scale
+    // + zero`, one FMA per code vector) and need no per-query zero sums.
+    // On the byte-vector path vector `j` is field `j div h` at `2^{B·f}`
+    // times its codes, and so is its zero. (Exact: a power of two.)
+    let mut zbuf = Buf::new(S::T * ne);
+    let mut fzv = [1f32; MAX_NCH];
+    if nib {
+        for (j, f) in fzv.iter_mut().enumerate().take(nch) {
+            *f = (1u32 << (B as usize * (j / h))) as f32;
+        }
+    }
+    // SAFETY: `fzv` holds `MAX_NCH` = 32 ≥ 2·L floats.
+    let fz = unsafe { [s.load(fzv.as_ptr()), s.load(fzv.as_ptr().add(S::L))] };
     let mut t0 = 0;
     while t0 < t_all {
         let n = S::T.min(t_all - t0);
@@ -1445,21 +1470,30 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
         let pw = (!fold).then(|| &p[t0..t0 + n]);
         if perm {
             let w = wbuf.m().as_mut_ptr();
+            let zo = if fold {
+                Some((zbuf.m().as_mut_ptr(), fz))
+            } else {
+                None
+            };
             // SAFETY: the params buffers are padded by `PAD ≥ L` floats
-            // past the tile's last token; `wbuf` holds `T ≥ n` rows of `ne`.
-            unsafe { expand_scales(s, d, pw, ix, ne, n, w, &mut zacc[0][0]) };
+            // past the tile's last token; `wbuf` and `zbuf` hold `T ≥ n`
+            // rows of `ne`.
+            unsafe { expand_scales(s, d, pw, zo, ix, ne, n, w, &mut zacc[0][0]) };
         } else {
             for t in 0..n {
                 let k = pw.map_or(1.0, |pw| pw[t]);
                 for j in 0..nch {
+                    let o = t * d.stride + tp.goff[j] as usize;
                     // SAFETY: group `goff[j] < gpr` of token `t < n`.
-                    let sc = unsafe { *d.sc.add(t * d.stride + tp.goff[j] as usize) };
+                    let (sc, ze) = unsafe { (*d.sc.add(o), *d.ze.add(o)) };
                     wbuf.m()[t * ne + j] = sc * k;
+                    zbuf.m()[t * ne + j] = ze * fzv[j];
                 }
             }
         }
-        // (One query's zero sums were taken with its weights above.)
-        if fold || !perm {
+        // (One query's zero sums were taken with its weights above;
+        // several queries' are folded into the code vectors.)
+        if !fold && !perm {
             for (i, z) in zacc.iter_mut().enumerate() {
                 // SAFETY: as above, `PAD ≥ gch·L`.
                 unsafe { zero_sums(s, d, &p[i * t_all + t0..i * t_all + t0 + n], gch, z) };
@@ -1490,6 +1524,7 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                     for tt in 0..n {
                         let row = codes.add((t0 + tt) * g.rb + jj0 * S::L);
                         let w = wbuf.s().as_ptr().add(tt * ne + jj0);
+                        let zr = zbuf.s().as_ptr().add(tt * ne + jj0);
                         let mut pb = [s.zero(); NQ];
                         if fold {
                             unroll8!(i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
@@ -1512,7 +1547,8 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                                     if f < nf {
                                         let wf = s.bcast(w.add(f * h + k));
                                         if fold {
-                                            let xf = s.mul(x[f], wf);
+                                            let zf = s.bcast(zr.add(f * h + k));
+                                            let xf = s.fma(x[f], wf, zf);
                                             unroll8!(i in 0, NQ => {
                                                 a[i][f * fs + k] = s.fma(xf, pb[i], a[i][f * fs + k]);
                                             });
@@ -1549,6 +1585,7 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                     for tt in 0..n {
                         let row = codes.add((t0 + tt) * g.rb);
                         let w = wbuf.s().as_ptr().add(tt * ne);
+                        let zr = zbuf.s().as_ptr().add(tt * ne);
                         let mut pb = [s.zero(); NQ];
                         if fold {
                             unroll!(i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
@@ -1556,7 +1593,7 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         unroll!(j in j0, j1 => {
                             let x = codes_f32::<S, B>(s, row, g.hd, j);
                             if fold {
-                                let x = s.mul(x, s.bcast(w.add(j)));
+                                let x = s.fma(x, s.bcast(w.add(j)), s.bcast(zr.add(j)));
                                 unroll!(i in 0, NQ => {
                                     a[i][j - j0] = s.fma(x, pb[i], a[i][j - j0]);
                                 });
