@@ -1482,12 +1482,12 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
         } else {
             for t in 0..n {
                 let k = pw.map_or(1.0, |pw| pw[t]);
-                for j in 0..nch {
-                    let o = t * d.stride + tp.goff[j] as usize;
+                for (j, (&gj, &fj)) in tp.goff.iter().zip(&fzv).enumerate().take(nch) {
+                    let o = t * d.stride + gj as usize;
                     // SAFETY: group `goff[j] < gpr` of token `t < n`.
                     let (sc, ze) = unsafe { (*d.sc.add(o), *d.ze.add(o)) };
                     wbuf.m()[t * ne + j] = sc * k;
-                    zbuf.m()[t * ne + j] = ze * fzv[j];
+                    zbuf.m()[t * ne + j] = ze * fj;
                 }
             }
         }
