@@ -27,6 +27,8 @@
 //! calls the kernels directly (scores → softmax → weighted sum per KV head,
 //! heads split over two `std::thread::scope` threads) so the kernels'
 //! DRAM-streaming speed is measured without the cache around them.
+//! `benches/paired.rs` runs the same `attend` cases in interleaved rounds,
+//! for ratios to f16 that survive a drifting host.
 
 mod common;
 
