@@ -7,24 +7,15 @@
 //! `append`/`extend` are single-threaded); `docs/PERFORMANCE.md` has the
 //! numbers.
 
+mod common;
+
+use common::data;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvq::{
     presets, Axis, CacheConfig, Group, KvQuantizer, LayerCache, QuantScheme, UniformQuantizer,
 };
 use std::hint::black_box;
 use std::time::Duration;
-
-fn data(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
-}
 
 fn schemes() -> Vec<(&'static str, QuantScheme, QuantScheme)> {
     let (k4, v4) = presets::kivi(4).unwrap();

@@ -1,7 +1,10 @@
 //! What the decode benches share: deterministic data, the KIVI-style
 //! packed layer and its dense baselines, and the multi-head `attend` loop
 //! (`benches/kernels.rs` times it with criterion, `benches/paired.rs`
-//! interleaves the cases call by call).
+//! interleaves the cases call by call). `benches/cache.rs` only takes
+//! `data`, hence the `allow`.
+
+#![allow(dead_code)]
 
 use half::f16;
 use kvq::kernels::{self, dense};
