@@ -612,17 +612,26 @@ fn nibble_queries(qs: &mut [f32], nq: usize, hd: usize, hdp: usize, bits: u32) {
     let m = hd / fields;
     for qi in qs.chunks_exact_mut(hdp).take(nq) {
         // Scale field `f` by 2^−bits·f (exact), then subtract the next.
-        for f in 1..fields {
-            let k = 1.0 / (1u32 << (bits as usize * f)) as f32;
-            for v in &mut qi[f * m..(f + 1) * m] {
-                *v *= k;
-            }
-        }
+        unscale_fields(&mut qi[..hd], bits);
         for f in 0..fields - 1 {
             let (cur, next) = qi[f * m..(f + 2) * m].split_at_mut(m);
             for (a, b) in cur.iter_mut().zip(next.iter()) {
                 *a -= *b;
             }
+        }
+    }
+}
+
+/// Multiply field `f` of `x` (`F = 8/bits` equal parts) by `2^{−bits·f}`
+/// (exact): the field scale of a byte-vector row ([`byte_prefix`]).
+#[inline(always)]
+fn unscale_fields(x: &mut [f32], bits: u32) {
+    let fields = (8 / bits) as usize;
+    let m = x.len() / fields;
+    for f in 1..fields {
+        let k = 1.0 / (1u32 << (bits as usize * f)) as f32;
+        for v in &mut x[f * m..(f + 1) * m] {
+            *v *= k;
         }
     }
 }
@@ -1426,7 +1435,8 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
             s.load_i(idx[1].as_ptr() as *const f32),
         ]
     };
-    let mut zacc = [[s.zero(); 4]; NQ];
+    // `Σ_t p_t·zero_tg` of one query (several fold their zeros in).
+    let mut zacc = [s.zero(); 4];
     let codes = head.codes().as_ptr();
     assert!(acc.len() >= NQ * hdp && gch <= 4 && p.len() >= NQ * t_all);
     // Column blocks: `NQ·jb` accumulators fill half the register file.
@@ -1478,7 +1488,7 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
             // SAFETY: the params buffers are padded by `PAD ≥ L` floats
             // past the tile's last token; `wbuf` and `zbuf` hold `T ≥ n`
             // rows of `ne`.
-            unsafe { expand_scales(s, d, pw, zo, ix, ne, n, w, &mut zacc[0][0]) };
+            unsafe { expand_scales(s, d, pw, zo, ix, ne, n, w, &mut zacc[0]) };
         } else {
             for t in 0..n {
                 let k = pw.map_or(1.0, |pw| pw[t]);
@@ -1487,17 +1497,17 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                     // SAFETY: group `goff[j] < gpr` of token `t < n`.
                     let (sc, ze) = unsafe { (*d.sc.add(o), *d.ze.add(o)) };
                     wbuf.m()[t * ne + j] = sc * k;
-                    zbuf.m()[t * ne + j] = ze * fj;
+                    if fold {
+                        zbuf.m()[t * ne + j] = ze * fj;
+                    }
                 }
             }
         }
         // (One query's zero sums were taken with its weights above;
         // several queries' are folded into the code vectors.)
         if !fold && !perm {
-            for (i, z) in zacc.iter_mut().enumerate() {
-                // SAFETY: as above, `PAD ≥ gch·L`.
-                unsafe { zero_sums(s, d, &p[i * t_all + t0..i * t_all + t0 + n], gch, z) };
-            }
+            // SAFETY: as above, `PAD ≥ gch·L`.
+            unsafe { zero_sums(s, d, &p[t0..t0 + n], gch, &mut zacc) };
         }
         // SAFETY: vectors `j < nch` of `acc` (`hdp` floats per query),
         // rows `t0..t0+n ≤ tokens` of `codes` (check_head), scales of
@@ -1615,23 +1625,17 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     }
     if nib {
         // Field `f` (channels `f·hd/F ..`) accumulated at `2^{B·f}`.
-        let m = g.hd / nf;
         for a in acc.chunks_exact_mut(hdp).take(NQ) {
-            for f in 1..nf {
-                let k = 1.0 / (1u32 << (B as usize * f)) as f32;
-                for v in &mut a[f * m..(f + 1) * m] {
-                    *v *= k;
-                }
-            }
+            unscale_fields(&mut a[..g.hd], B as u32);
         }
     }
-    for (i, zacc) in zacc.iter().enumerate() {
+    if !fold {
         let mut zs = [0f32; 64];
         for (c, z) in zacc.iter().enumerate().take(gch) {
             // SAFETY: `zs` holds 64 ≥ 4·L floats.
             unsafe { s.store(zs.as_mut_ptr().add(c * S::L), *z) };
         }
-        for (c, a) in acc[i * hdp..i * hdp + g.hd].iter_mut().enumerate() {
+        for (c, a) in acc[..g.hd].iter_mut().enumerate() {
             *a += zs[c / cpg];
         }
     }
