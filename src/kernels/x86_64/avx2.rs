@@ -164,6 +164,7 @@ unsafe impl Simd for Avx2 {
     const L: usize = 8;
     type F = __m256;
     type I = __m256i;
+    type C3 = ();
 
     #[inline(always)]
     fn zero(self) -> __m256 {
@@ -307,6 +308,15 @@ unsafe impl Simd for Avx2 {
             let v = _mm256_and_si256(_mm256_srlv_epi32(v, counts), _mm256_set1_epi32(mask as i32));
             _mm256_sllv_epi32(v, _mm256_set1_epi32(sh as i32))
         }
+    }
+    #[inline(always)]
+    fn code3_consts(self, _hd: usize) -> Option<()> {
+        // No variable rotate in AVX2: rows are unpacked vector by vector.
+        None
+    }
+    #[inline(always)]
+    unsafe fn code3_bytes(self, _c: &(), _row: *const u8, _hd: usize, _out: *mut u8) {
+        unreachable!("code3_consts is None on AVX2")
     }
     #[inline(always)]
     fn or(self, a: __m256i, b: __m256i) -> __m256i {

@@ -11,6 +11,37 @@ use crate::scheme::{Mode, QuantScheme, ScaleFormat};
 use crate::store::PackedHead;
 use core::arch::x86_64::*;
 
+/// Blocks of 64 codes in a row [`Code3`] covers (head dims up to 512).
+const MAX_BLOCKS: usize = 8;
+
+/// The per-dword shift counts of [`Simd::code3_bytes`] for one head dim:
+/// for each block of 64 codes, the 2-bit plane's right shift (`x`) and the
+/// 1-bit plane's right rotate (`y`).
+#[derive(Clone, Copy)]
+pub(crate) struct Code3 {
+    x: [__m512i; MAX_BLOCKS],
+    y: [__m512i; MAX_BLOCKS],
+}
+
+/// The plane bytes of codes `64k..64k+64` of a plane of `m` bytes at `p`
+/// (`m` 16, 32 or a multiple of 64): one block, or the whole plane
+/// repeated across the register.
+///
+/// # Safety
+/// AVX-512F; `p` valid for `m` bytes; `64k < 8m/P` for the plane's width
+/// `P` (the block's bytes lie inside the plane).
+#[inline(always)]
+unsafe fn plane_block(p: *const u8, m: usize, k: usize) -> __m512i {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match m {
+            16 => _mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i)),
+            32 => _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i)),
+            _ => _mm512_loadu_si512(p.add(64 * k % m) as *const _),
+        }
+    }
+}
+
 /// Proof that the CPU runs this file's instructions (see [`Avx512::new`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Avx512(());
@@ -170,6 +201,7 @@ unsafe impl Simd for Avx512 {
     const L: usize = 16;
     type F = __m512;
     type I = __m512i;
+    type C3 = Code3;
 
     #[inline(always)]
     fn zero(self) -> __m512 {
@@ -271,6 +303,63 @@ unsafe impl Simd for Avx512 {
     fn permute(self, table: __m512, idx: __m512i) -> __m512 {
         // SAFETY: AVX-512F.
         unsafe { _mm512_permutexvar_ps(idx, table) }
+    }
+    #[inline(always)]
+    fn code3_consts(self, hd: usize) -> Option<Code3> {
+        // Each plane's 64-code blocks come from one load or broadcast:
+        // plane bytes in whole 64-byte blocks, or one block of 32 (2-bit
+        // plane at head_dim 128; 1-bit at 256) or 16 (1-bit at 128)
+        // repeated across the register.
+        let (m2, m1) = (hd / 4, hd / 8);
+        let fits = |m: usize| m == 16 || m == 32 || m.is_multiple_of(64);
+        if !(hd.is_multiple_of(128) && hd <= 64 * MAX_BLOCKS && fits(m2) && fits(m1)) {
+            return None;
+        }
+        let (mut x, mut y) = ([[0u32; 16]; MAX_BLOCKS], [[0u32; 16]; MAX_BLOCKS]);
+        for k in 0..hd / 64 {
+            for l in 0..16 {
+                // Dword `l` of block `k`: channels `c..c+4`, one field of
+                // each plane (the plane lengths are multiples of 4).
+                let c = 64 * k + 4 * l;
+                x[k][l] = 2 * (c / m2) as u32;
+                // Rotate right by `field − 2`: the field's bit to bit 2
+                // of every byte, from within the same byte.
+                y[k][l] = ((c / m1) as i32 - 2).rem_euclid(32) as u32;
+            }
+        }
+        // SAFETY: AVX-512F; each array holds 16 dwords.
+        let (mut cx, mut cy) = unsafe {
+            (
+                [_mm512_setzero_si512(); MAX_BLOCKS],
+                [_mm512_setzero_si512(); MAX_BLOCKS],
+            )
+        };
+        for k in 0..MAX_BLOCKS {
+            // SAFETY: as above.
+            unsafe {
+                cx[k] = _mm512_loadu_si512(x[k].as_ptr() as *const _);
+                cy[k] = _mm512_loadu_si512(y[k].as_ptr() as *const _);
+            }
+        }
+        Some(Code3 { x: cx, y: cy })
+    }
+    #[inline(always)]
+    unsafe fn code3_bytes(self, c: &Code3, row: *const u8, hd: usize, out: *mut u8) {
+        let (m2, m1) = (hd / 4, hd / 8);
+        // SAFETY: the caller's contract: `code3_consts(hd)` accepted the
+        // shape, so every load below stays inside the row's `m2 + m1`
+        // bytes and every store inside `out`'s `hd`; AVX-512F.
+        unsafe {
+            for k in 0..hd / 64 {
+                let x = _mm512_srlv_epi32(plane_block(row, m2, k), c.x[k]);
+                let y = _mm512_rorv_epi32(plane_block(row.add(m2), m1, k), c.y[k]);
+                // Bits 0–1 from the 2-bit plane, bit 2 from the 1-bit one
+                // (`c ? a : b` per bit with `c` = 3, then `& 7`).
+                let v = _mm512_ternarylogic_epi32::<0xE4>(x, y, _mm512_set1_epi8(3));
+                let v = _mm512_and_si512(v, _mm512_set1_epi8(7));
+                _mm512_storeu_si512(out.add(64 * k) as *mut _, v);
+            }
+        }
     }
     #[inline(always)]
     fn field_f32<const P: u32>(self, v: __m512i) -> __m512 {

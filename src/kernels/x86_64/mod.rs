@@ -117,6 +117,8 @@ pub(crate) unsafe trait Simd: Copy {
     type F: Copy;
     /// A vector of `L` 32-bit integers.
     type I: Copy;
+    /// Per-call constants of [`Simd::code3_bytes`].
+    type C3: Copy;
 
     /// All lanes zero.
     fn zero(self) -> Self::F;
@@ -163,6 +165,18 @@ pub(crate) unsafe trait Simd: Copy {
     fn shr_pair_mask(self, v: Self::I, a: u32, b: u32, mask: u32, sh: u32) -> Self::I;
     /// Bitwise or.
     fn or(self, a: Self::I, b: Self::I) -> Self::I;
+    /// The constants of [`Simd::code3_bytes`] for rows of `hd` channels,
+    /// or `None` where this ISA unpacks 3-bit rows vector by vector.
+    fn code3_consts(self, hd: usize) -> Option<Self::C3>;
+    /// Write the `hd` codes of a 3-bit row (two planes, see
+    /// [`crate::pack`]) to `out` as bytes, so the vector loops read them
+    /// as 8-bit codes: a few whole-register byte operations per 64 codes
+    /// instead of a shift, mask and merge per vector of each plane.
+    ///
+    /// # Safety
+    /// `row` valid for `3·hd/8` bytes, `out` for `hd`; `c` made by
+    /// `code3_consts(hd)`.
+    unsafe fn code3_bytes(self, c: &Self::C3, row: *const u8, hd: usize, out: *mut u8);
     /// Lane `t` (for `t < T`) of the result is the sum of all lanes of
     /// `acc[t]`; `acc[T..]` are ignored.
     fn reduce(self, acc: &[Self::F; 16]) -> Self::F;

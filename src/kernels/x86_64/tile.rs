@@ -162,6 +162,62 @@ impl<S: Simd> Deq<S> for Raw {
 }
 
 /// Most vectors a row may have for the per-token fast path.
+/// 3-bit rows transcoded to code bytes a tile at a time
+/// ([`Simd::code3_bytes`]), for the fused loops to read as 8-bit rows:
+/// a 3-bit code's two plane fields cost a shift, mask and merge per vector
+/// each; the transcode does that for 64 codes per register.
+struct Tile3<S: Simd> {
+    c: S::C3,
+    /// `T` rows of `hd` code bytes.
+    buf: Vec<u8>,
+    hd: usize,
+}
+
+impl<S: Simd> Tile3<S> {
+    /// `Some` for 3-bit rows when the ISA transcodes rows of `hd`.
+    #[inline(always)]
+    fn new<const B: u8>(s: S, hd: usize) -> Option<Tile3<S>> {
+        let c = if B == 3 {
+            s.code3_consts(hd)?
+        } else {
+            return None;
+        };
+        Some(Tile3 {
+            c,
+            buf: vec![0u8; S::T * hd],
+            hd,
+        })
+    }
+
+    /// Transcode rows `0..n` (`rb` bytes apart from `rows`); returns the
+    /// tile of `n` rows of `hd` code bytes.
+    ///
+    /// # Safety
+    /// `rows` valid for `n` rows of `rb ≥ 3·hd/8` bytes.
+    #[inline(always)]
+    unsafe fn load(&mut self, s: S, rows: *const u8, rb: usize, n: usize) -> *const u8 {
+        assert!(n <= S::T, "kernels: a tile has at most T rows");
+        for t in 0..n {
+            // SAFETY: the caller's contract; `buf` holds `T ≥ n` rows of `hd`.
+            unsafe {
+                s.code3_bytes(
+                    &self.c,
+                    rows.add(t * rb),
+                    self.hd,
+                    self.buf.as_mut_ptr().add(t * self.hd),
+                )
+            };
+        }
+        self.buf.as_ptr()
+    }
+
+    /// The shape of the transcoded rows.
+    #[inline(always)]
+    fn geo(&self, g: Geo) -> Geo {
+        Geo { rb: self.hd, ..g }
+    }
+}
+
 const MAX_NCH: usize = 32;
 /// Floats of padding after a tile's params, so whole-vector reads of a
 /// token's groups never leave the buffer.
@@ -958,6 +1014,13 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
     let fused = HD > 0 && g.fast && g.nch <= MAX_NCH && (nq == 1 || g.nch <= S::REGS / 2);
     let mut accbuf = Buf::new(nq * S::T * S::L);
     let codes = head.codes().as_ptr();
+    // One query only: with several, the transcoded 8-bit rows were slower
+    // (four queries: 20 → 23 ns per token, `docs/PERFORMANCE.md`).
+    let mut t3 = if fused && nq == 1 {
+        Tile3::new::<B>(s, hd)
+    } else {
+        None
+    };
     match head.layout().scheme().axis() {
         Axis::PerChannel => {
             let gl = head.layout().group_len();
@@ -1003,11 +1066,24 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                         let r = unsafe {
                             if fused {
                                 let (qp, ap) = (qs.s().as_ptr(), accbuf.m().as_mut_ptr());
-                                match (i, nib) {
-                                    (0, true) => fused_scores_tile::<S, B, Raw, true>(
+                                match (i, nib, &mut t3) {
+                                    (0, true, _) => fused_scores_tile::<S, B, Raw, true>(
                                         s, g, rows, n, Raw, qp, nq, ap,
                                     ),
-                                    (0, false) => fused_scores_tile::<S, B, Raw, false>(
+                                    (0, false, Some(t3)) => {
+                                        let r8 = t3.load(s, rows, g.rb, n);
+                                        fused_scores_tile::<S, 8, Raw, false>(
+                                            s,
+                                            t3.geo(g),
+                                            r8,
+                                            n,
+                                            Raw,
+                                            qp,
+                                            nq,
+                                            ap,
+                                        )
+                                    }
+                                    (0, false, None) => fused_scores_tile::<S, B, Raw, false>(
                                         s, g, rows, n, Raw, qp, nq, ap,
                                     ),
                                     _ => {}
@@ -1050,16 +1126,31 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                         u8buf.as_mut_ptr(),
                     );
                     match tp.deq_rows() {
-                        _ if fused => fused_scores_tile::<S, B, PerToken, false>(
-                            s,
-                            g,
-                            rows,
-                            n,
-                            tp.deq(),
-                            qp.s().as_ptr(),
-                            nq,
-                            accbuf.m().as_mut_ptr(),
-                        ),
+                        _ if fused => match &mut t3 {
+                            Some(t3) => {
+                                let r8 = t3.load(s, rows, g.rb, n);
+                                fused_scores_tile::<S, 8, PerToken, false>(
+                                    s,
+                                    t3.geo(g),
+                                    r8,
+                                    n,
+                                    tp.deq(),
+                                    qp.s().as_ptr(),
+                                    nq,
+                                    accbuf.m().as_mut_ptr(),
+                                )
+                            }
+                            None => fused_scores_tile::<S, B, PerToken, false>(
+                                s,
+                                g,
+                                rows,
+                                n,
+                                tp.deq(),
+                                qp.s().as_ptr(),
+                                nq,
+                                accbuf.m().as_mut_ptr(),
+                            ),
+                        },
                         None => unpack_tile::<S, B, PerToken>(s, g, rows, n, sp, u8b, tp.deq()),
                         Some(d) => unpack_tile::<S, B, Rows>(s, g, rows, n, sp, u8b, d),
                     }
@@ -1125,12 +1216,17 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                 && head.layout().channels_per_group().is_multiple_of(S::L) =>
         {
             let mut tp = TileParams::new::<S>(head, g, pl);
-            // SAFETY: check_head passed; the shape conditions of the arm hold.
+            let (a, t3) = (acc.m(), Tile3::new::<B>(s, hd));
+            // SAFETY: check_head passed; the shape conditions of the arm
+            // hold. Transcoded 3-bit rows are read as 8-bit rows.
             unsafe {
-                match nq {
-                    1 => fused_sum_pt::<S, B, 1>(s, g, head, &mut tp, p, acc.m()),
-                    2 => fused_sum_pt::<S, B, 2>(s, g, head, &mut tp, p, acc.m()),
-                    _ => fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, acc.m()),
+                match (nq, t3) {
+                    (1, Some(t3)) => fused_sum_pt::<S, 8, 1>(s, g, head, &mut tp, p, a, Some(t3)),
+                    (2, Some(t3)) => fused_sum_pt::<S, 8, 2>(s, g, head, &mut tp, p, a, Some(t3)),
+                    (_, Some(t3)) => fused_sum_pt::<S, 8, 4>(s, g, head, &mut tp, p, a, Some(t3)),
+                    (1, None) => fused_sum_pt::<S, B, 1>(s, g, head, &mut tp, p, a, None),
+                    (2, None) => fused_sum_pt::<S, B, 2>(s, g, head, &mut tp, p, a, None),
+                    (_, None) => fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, a, None),
                 }
             }
         }
@@ -1401,9 +1497,13 @@ unsafe fn zero_sums<S: Simd>(s: S, d: PerToken, pi: &[f32], gch: usize, z: &mut 
 /// each code vector once (`code·scale + zero`, one FMA, zeros expanded
 /// like the scales) and take it into every query with `p_it`.
 ///
+/// With `t3`, each tile's 3-bit rows are transcoded to code bytes first
+/// and read as `B` = 8-bit rows.
+///
 /// # Safety
 /// `check_head` passed for `NQ` queries; `Geo::fast`, `nch ≤ MAX_NCH`,
-/// groups of whole vectors; `acc` holds `NQ·hdp` floats.
+/// groups of whole vectors; `acc` holds `NQ·hdp` floats; `B` is the
+/// head's width, or 8 with `t3` (made for this head).
 #[inline(always)]
 unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     s: S,
@@ -1412,6 +1512,7 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     tp: &mut TileParams,
     p: &[f32],
     acc: &mut [f32],
+    mut t3: Option<Tile3<S>>,
 ) {
     let t_all = head.tokens();
     let (gpr, cpg, hdp, nch) = (tp.gpr, tp.cpg, g.hdp, g.nch);
@@ -1517,6 +1618,11 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
             for (i, q) in pq.iter_mut().enumerate() {
                 *q = q.add(i * t_all + t0);
             }
+            // The tile's rows: in place, or transcoded (`hd` bytes each).
+            let (tile, rb) = match &mut t3 {
+                Some(t3) => (t3.load(s, codes.add(t0 * g.rb), g.rb, n), g.hd),
+                None => (codes.add(t0 * g.rb), g.rb),
+            };
             if nib {
                 let mut jj0 = 0;
                 while jj0 < h {
@@ -1532,7 +1638,7 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         });
                     });
                     for tt in 0..n {
-                        let row = codes.add((t0 + tt) * g.rb + jj0 * S::L);
+                        let row = tile.add(tt * rb + jj0 * S::L);
                         let w = wbuf.s().as_ptr().add(tt * ne + jj0);
                         let zr = zbuf.s().as_ptr().add(tt * ne + jj0);
                         let mut pb = [s.zero(); NQ];
@@ -1593,7 +1699,7 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         });
                     });
                     for tt in 0..n {
-                        let row = codes.add((t0 + tt) * g.rb);
+                        let row = tile.add(tt * rb);
                         let w = wbuf.s().as_ptr().add(tt * ne);
                         let zr = zbuf.s().as_ptr().add(tt * ne);
                         let mut pb = [s.zero(); NQ];
