@@ -115,26 +115,41 @@ pub fn pack(codes: &[u8], bits: u8, out: &mut [u8]) {
 /// Pack bits `shift..shift+P` of every code into the plane `dst`
 /// (`codes.len()·P/8` bytes); returns the OR of all codes (for the
 /// width check).
+///
+/// Sixteen plane bytes at a time: fixed-length inner loops that compile
+/// to whole-register byte operations even when the plane is short (16 or
+/// 32 bytes for a 128-channel row), where a loop over the whole plane
+/// would run its scalar remainder.
 #[inline(always)]
 fn pack_plane<const P: usize>(codes: &[u8], shift: u8, dst: &mut [u8]) -> u8 {
+    const W: usize = 16;
     let k = 8 / P;
     let m = dst.len();
     let mask = ((1u16 << P) - 1) as u8;
-    let mut all = 0u8;
-    for (f, src) in codes.chunks_exact(m).take(k).enumerate() {
-        if f == 0 {
-            for (d, &c) in dst.iter_mut().zip(src) {
-                all |= c;
-                *d = (c >> shift) & mask;
-            }
-        } else {
-            for (d, &c) in dst.iter_mut().zip(src) {
-                all |= c;
-                *d |= ((c >> shift) & mask) << (P * f);
+    let mut all = [0u8; W];
+    let mw = m / W * W;
+    for (o, d) in (0..mw).step_by(W).zip(dst.chunks_exact_mut(W)) {
+        let mut acc = [0u8; W];
+        for f in 0..k {
+            let src = &codes[f * m + o..f * m + o + W];
+            for i in 0..W {
+                all[i] |= src[i];
+                acc[i] |= ((src[i] >> shift) & mask) << (P * f);
             }
         }
+        d.copy_from_slice(&acc);
     }
-    all
+    let mut rest = 0u8;
+    for o in mw..m {
+        let mut b = 0u8;
+        for f in 0..k {
+            let c = codes[f * m + o];
+            rest |= c;
+            b |= ((c >> shift) & mask) << (P * f);
+        }
+        dst[o] = b;
+    }
+    all.iter().fold(rest, |a, &b| a | b)
 }
 
 /// Unpack a row packed by [`pack`] into `out` (`out.len()` codes).
