@@ -8,6 +8,37 @@ use super::Simd;
 use crate::store::PackedHead;
 use core::arch::x86_64::*;
 
+/// Blocks of 32 codes in a row [`Code3`] covers (head dims up to 512).
+const MAX_BLOCKS: usize = 16;
+
+/// The per-dword shift counts of [`Simd::code3_bytes`] for one head dim:
+/// for each block of 32 codes, the 2-bit plane's right shift (`x`) and the
+/// 1-bit plane's right (`yr`) and left (`yl`) shifts.
+#[derive(Clone, Copy)]
+pub(crate) struct Code3 {
+    x: [__m256i; MAX_BLOCKS],
+    yr: [__m256i; MAX_BLOCKS],
+    yl: [__m256i; MAX_BLOCKS],
+}
+
+/// The plane bytes of codes `32k..32k+32` of a plane of `m` bytes at `p`
+/// (`m` 16 or a multiple of 32): one block, or the 16-byte plane in both
+/// halves.
+///
+/// # Safety
+/// AVX2; `p` valid for `m` bytes; the block's bytes lie inside the plane.
+#[inline(always)]
+unsafe fn plane_block(p: *const u8, m: usize, k: usize) -> __m256i {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if m == 16 {
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i))
+        } else {
+            _mm256_loadu_si256(p.add(32 * k % m) as *const __m256i)
+        }
+    }
+}
+
 /// Proof that the CPU runs this file's instructions (see [`Avx2::new`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Avx2(());
@@ -164,7 +195,7 @@ unsafe impl Simd for Avx2 {
     const L: usize = 8;
     type F = __m256;
     type I = __m256i;
-    type C3 = ();
+    type C3 = Code3;
 
     #[inline(always)]
     fn zero(self) -> __m256 {
@@ -310,13 +341,65 @@ unsafe impl Simd for Avx2 {
         }
     }
     #[inline(always)]
-    fn code3_consts(self, _hd: usize) -> Option<()> {
-        // No variable rotate in AVX2: rows are unpacked vector by vector.
-        None
+    fn code3_consts(self, hd: usize) -> Option<Code3> {
+        // As on AVX-512, 32 codes per register: each plane's bytes for a
+        // block are one load, or the 16-byte plane (1-bit at head_dim
+        // 128) in both halves. AVX2 has no variable rotate: the 1-bit
+        // field goes to bit 2 by a right shift or a left shift (a count of
+        // 32 or more gives 0, so one of the two is empty per dword).
+        let (m2, m1) = (hd / 4, hd / 8);
+        let fits = |m: usize| m == 16 || m.is_multiple_of(32);
+        if !(hd.is_multiple_of(128) && hd <= 32 * MAX_BLOCKS && fits(m2) && fits(m1)) {
+            return None;
+        }
+        let mut cnt = [[[0u32; 8]; MAX_BLOCKS]; 3];
+        for k in 0..hd / 32 {
+            for l in 0..8 {
+                // Dword `l` of block `k`: channels `c..c+4`, one field of
+                // each plane.
+                let c = 32 * k + 4 * l;
+                let f1 = (c / m1) as u32;
+                cnt[0][k][l] = 2 * (c / m2) as u32;
+                cnt[1][k][l] = if f1 >= 2 { f1 - 2 } else { 32 };
+                cnt[2][k][l] = if f1 >= 2 { 32 } else { 2 - f1 };
+            }
+        }
+        // SAFETY: AVX; each array holds 8 dwords.
+        let mut v = unsafe { [[_mm256_setzero_si256(); MAX_BLOCKS]; 3] };
+        for (vi, ci) in v.iter_mut().zip(&cnt) {
+            for (x, c) in vi.iter_mut().zip(ci) {
+                // SAFETY: as above.
+                *x = unsafe { _mm256_loadu_si256(c.as_ptr() as *const __m256i) };
+            }
+        }
+        Some(Code3 {
+            x: v[0],
+            yr: v[1],
+            yl: v[2],
+        })
     }
     #[inline(always)]
-    unsafe fn code3_bytes(self, _c: &(), _row: *const u8, _hd: usize, _out: *mut u8) {
-        unreachable!("code3_consts is None on AVX2")
+    unsafe fn code3_bytes(self, c: &Code3, row: *const u8, hd: usize, out: *mut u8) {
+        let (m2, m1) = (hd / 4, hd / 8);
+        // SAFETY: the caller's contract: `code3_consts(hd)` accepted the
+        // shape, so every load stays inside the row's `m2 + m1` bytes and
+        // every store inside `out`'s `hd`; AVX2.
+        unsafe {
+            for k in 0..hd / 32 {
+                let x = _mm256_srlv_epi32(plane_block(row, m2, k), c.x[k]);
+                let p1 = plane_block(row.add(m2), m1, k);
+                let y = _mm256_or_si256(
+                    _mm256_srlv_epi32(p1, c.yr[k]),
+                    _mm256_sllv_epi32(p1, c.yl[k]),
+                );
+                // Bits 0–1 from the 2-bit plane, bit 2 from the 1-bit one.
+                let v = _mm256_or_si256(
+                    _mm256_and_si256(x, _mm256_set1_epi8(3)),
+                    _mm256_and_si256(y, _mm256_set1_epi8(4)),
+                );
+                _mm256_storeu_si256(out.add(32 * k) as *mut __m256i, v);
+            }
+        }
     }
     #[inline(always)]
     fn or(self, a: __m256i, b: __m256i) -> __m256i {
