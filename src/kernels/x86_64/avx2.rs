@@ -352,21 +352,25 @@ unsafe impl Simd for Avx2 {
         if !(hd.is_multiple_of(128) && hd <= 32 * MAX_BLOCKS && fits(m2) && fits(m1)) {
             return None;
         }
-        let mut cnt = [[[0u32; 8]; MAX_BLOCKS]; 3];
+        let (mut x, mut yr, mut yl) = (
+            [[0u32; 8]; MAX_BLOCKS],
+            [[0u32; 8]; MAX_BLOCKS],
+            [[0u32; 8]; MAX_BLOCKS],
+        );
         for k in 0..hd / 32 {
             for l in 0..8 {
                 // Dword `l` of block `k`: channels `c..c+4`, one field of
                 // each plane.
                 let c = 32 * k + 4 * l;
                 let f1 = (c / m1) as u32;
-                cnt[0][k][l] = 2 * (c / m2) as u32;
-                cnt[1][k][l] = if f1 >= 2 { f1 - 2 } else { 32 };
-                cnt[2][k][l] = if f1 >= 2 { 32 } else { 2 - f1 };
+                x[k][l] = 2 * (c / m2) as u32;
+                yr[k][l] = if f1 >= 2 { f1 - 2 } else { 32 };
+                yl[k][l] = if f1 >= 2 { 32 } else { 2 - f1 };
             }
         }
         // SAFETY: AVX; each array holds 8 dwords.
         let mut v = unsafe { [[_mm256_setzero_si256(); MAX_BLOCKS]; 3] };
-        for (vi, ci) in v.iter_mut().zip(&cnt) {
+        for (vi, ci) in v.iter_mut().zip([&x, &yr, &yl]) {
             for (x, c) in vi.iter_mut().zip(ci) {
                 // SAFETY: as above.
                 *x = unsafe { _mm256_loadu_si256(c.as_ptr() as *const __m256i) };
