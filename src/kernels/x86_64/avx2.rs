@@ -342,8 +342,8 @@ unsafe impl Simd for Avx2 {
     }
     #[inline(always)]
     fn code3_consts(self, hd: usize) -> Option<Code3> {
-        // As on AVX-512, 32 codes per register: each plane's bytes for a
-        // block are one load, or the 16-byte plane (1-bit at head_dim
+        // As on AVX-512, but 32 codes per register: each plane's bytes
+        // for a block are one load, or the 16-byte plane (1-bit at head_dim
         // 128) in both halves. AVX2 has no variable rotate: the 1-bit
         // field goes to bit 2 by a right shift or a left shift (a count of
         // 32 or more gives 0, so one of the two is empty per dword).

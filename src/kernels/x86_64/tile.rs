@@ -161,7 +161,6 @@ impl<S: Simd> Deq<S> for Raw {
     }
 }
 
-/// Most vectors a row may have for the per-token fast path.
 /// 3-bit rows transcoded to code bytes a tile at a time
 /// ([`Simd::code3_bytes`]), for the fused loops to read as 8-bit rows:
 /// a 3-bit code's two plane fields cost a shift, mask and merge per vector
@@ -218,6 +217,7 @@ impl<S: Simd> Tile3<S> {
     }
 }
 
+/// Most vectors a row may have for the per-token fast path.
 const MAX_NCH: usize = 32;
 /// Floats of padding after a tile's params, so whole-vector reads of a
 /// token's groups never leave the buffer.
