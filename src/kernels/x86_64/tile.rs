@@ -71,6 +71,54 @@ pub(super) fn prefetch_ahead(base: *const u8, per: usize, t0: usize, n: usize) {
     prefetch(base.wrapping_add((t0 + PREFETCH_TOKENS) * per), n * per);
 }
 
+/// One stream's prefetch spread over a tile's tokens: token `tt` asks for
+/// the lines that start within its bytes [`PREFETCH_TOKENS`] ahead, so the
+/// requests go out one or two per token between the vector work instead
+/// of as a burst at the tile's start (a burst of a tile's lines can
+/// exceed the core's line fill buffers and hold up retirement while the
+/// tile is computed).
+#[derive(Clone, Copy)]
+pub(super) struct Ahead {
+    p: *const u8,
+    per: usize,
+}
+
+impl Ahead {
+    /// No stream.
+    pub(super) const NONE: Ahead = Ahead {
+        p: core::ptr::null(),
+        per: 0,
+    };
+
+    /// The stream `base` of `per` bytes per token, for the tile at `t0`.
+    #[inline(always)]
+    pub(super) fn new(base: *const u8, per: usize, t0: usize) -> Ahead {
+        Ahead {
+            p: base.wrapping_add((t0 + PREFETCH_TOKENS) * per),
+            per,
+        }
+    }
+
+    /// Prefetch token `tt`'s bytes: one line per 64 bytes from its start
+    /// (whole lines for a multiple of 64 bytes per token; a shorter token
+    /// asks for its line again, which costs one load slot).
+    #[inline(always)]
+    pub(super) fn token(self, tt: usize) {
+        let a = self.p.wrapping_add(tt * self.per);
+        let mut o = 0;
+        while o < self.per {
+            // SAFETY: `prefetcht0` is a hint: it reads nothing into the
+            // program and never faults, whatever the address.
+            unsafe {
+                core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                    a.wrapping_add(o) as *const i8,
+                )
+            };
+            o += 64;
+        }
+    }
+}
+
 /// A zeroed `f32` buffer whose start is 64-byte aligned (whole cache lines,
 /// so a 512-bit load never splits one).
 pub(super) struct Buf {
@@ -574,8 +622,11 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
     q: *const f32,
     nq: usize,
     accbuf: *mut f32,
+    ah: [Ahead; 2],
 ) {
     for tt in 0..n {
+        ah[0].token(tt);
+        ah[1].token(tt);
         // SAFETY: the caller's contract; vectors `j < nch`, queries `i < nq`.
         unsafe {
             let row = rows.add(tt * g.rb);
@@ -872,6 +923,9 @@ struct TileParams {
     rows: Option<(Buf, Buf)>,
     hd: usize,
     hdp: usize,
+    /// The kernel prefetches per token ([`TileParams::ahead`]), not
+    /// [`TileParams::load`].
+    spread: bool,
 }
 
 impl TileParams {
@@ -899,7 +953,21 @@ impl TileParams {
             rows: (!aligned).then(|| (Buf::new(S::T * g.hdp), Buf::new(S::T * g.hdp))),
             hd: g.hd,
             hdp: g.hdp,
+            spread: false,
         }
+    }
+
+    /// The param and code streams of the tile at `t0`, for a kernel that
+    /// prefetches per token.
+    #[inline(always)]
+    fn ahead(&self, head: &PackedHead<'_>, t0: usize) -> [Ahead; 2] {
+        if !self.spread {
+            return [Ahead::NONE; 2];
+        }
+        [
+            Ahead::new(head.codes().as_ptr(), head.layout().row_bytes(), t0),
+            Ahead::new(head.params().as_ptr(), self.vals * self.p.fmt.bytes(), t0),
+        ]
     }
 
     /// Load the params of tokens `t0..t0+n`.
@@ -908,9 +976,11 @@ impl TileParams {
         let fb = self.p.fmt.bytes();
         let src = &head.params()[t0 * self.vals * fb..(t0 + n) * self.vals * fb];
         // Every per-token path loads a tile's params here: prefetch both
-        // of its streams, params and codes.
-        prefetch_ahead(head.params().as_ptr(), self.vals * fb, t0, n);
-        prefetch_ahead(head.codes().as_ptr(), head.layout().row_bytes(), t0, n);
+        // of its streams, params and codes (unless the kernel spreads them).
+        if !self.spread {
+            prefetch_ahead(head.params().as_ptr(), self.vals * fb, t0, n);
+            prefetch_ahead(head.codes().as_ptr(), head.layout().row_bytes(), t0, n);
+        }
         cvt_params(s, self.p.fmt, src, &mut self.conv.m()[..n * self.vals]);
         if self.p.sym {
             scale_into(s, &self.conv.s()[..n * self.gpr], -self.p.half, self.zs.m());
@@ -1030,9 +1100,14 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             // 2- and 4-bit rows whose field vectors come from the same
             // bytes: one widening per byte vector (see `nibble_queries`).
             let nib = matches!(B, 2 | 4) && fused && (hd * B as usize / 8).is_multiple_of(S::L);
+            // The fused kernel spreads both streams' prefetch over the
+            // tokens (the params as `set/gl` bytes per token).
+            let spread = fused && set.is_multiple_of(gl);
             for k in 0..t_all.div_ceil(gl) {
-                let ahead = k + PREFETCH_TOKENS.div_ceil(gl);
-                prefetch(head.params().as_ptr().wrapping_add(ahead * set), set);
+                if !spread {
+                    let ahead = k + PREFETCH_TOKENS.div_ceil(gl);
+                    prefetch(head.params().as_ptr().wrapping_add(ahead * set), set);
+                }
                 block_params(s, head, &p, hd, k, sc.m(), ze.m());
                 for (i, bias) in bias.iter_mut().enumerate() {
                     let mut b = s.zero();
@@ -1057,7 +1132,15 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                 while t0 < t_end {
                     let n = S::T.min(t_end - t0);
                     let rows = codes.wrapping_add(t0 * g.rb);
-                    prefetch_ahead(codes, g.rb, t0, n);
+                    let ah = if spread {
+                        [
+                            Ahead::new(codes, g.rb, t0),
+                            Ahead::new(head.params().as_ptr(), set / gl, t0),
+                        ]
+                    } else {
+                        prefetch_ahead(codes, g.rb, t0, n);
+                        [Ahead::NONE; 2]
+                    };
                     for i in 0..nq {
                         // SAFETY: rows `t0..t0+n ≤ tokens` are in `codes`
                         // (check_head); the scratch holds `T` rows of `hdp`,
@@ -1068,7 +1151,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                                 let (qp, ap) = (qs.s().as_ptr(), accbuf.m().as_mut_ptr());
                                 match (i, nib, &mut t3) {
                                     (0, true, _) => fused_scores_tile::<S, B, Raw, true>(
-                                        s, g, rows, n, Raw, qp, nq, ap,
+                                        s, g, rows, n, Raw, qp, nq, ap, ah,
                                     ),
                                     (0, false, Some(t3)) => {
                                         let r8 = t3.load(s, rows, g.rb, n);
@@ -1081,10 +1164,11 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                                             qp,
                                             nq,
                                             ap,
+                                            ah,
                                         )
                                     }
                                     (0, false, None) => fused_scores_tile::<S, B, Raw, false>(
-                                        s, g, rows, n, Raw, qp, nq, ap,
+                                        s, g, rows, n, Raw, qp, nq, ap, ah,
                                     ),
                                     _ => {}
                                 }
@@ -1115,6 +1199,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             let mut tp = TileParams::new::<S>(head, g, p);
             let mut t0 = 0;
             let fused = fused && tp.rows.is_none();
+            tp.spread = fused;
             while t0 < t_all {
                 let n = S::T.min(t_all - t0);
                 tp.load(s, head, t0, n);
@@ -1138,6 +1223,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                                     qp.s().as_ptr(),
                                     nq,
                                     accbuf.m().as_mut_ptr(),
+                                    tp.ahead(head, t0),
                                 )
                             }
                             None => fused_scores_tile::<S, B, PerToken, false>(
@@ -1149,6 +1235,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                                 qp.s().as_ptr(),
                                 nq,
                                 accbuf.m().as_mut_ptr(),
+                                tp.ahead(head, t0),
                             ),
                         },
                         None => unpack_tile::<S, B, PerToken>(s, g, rows, n, sp, u8b, tp.deq()),
@@ -1573,11 +1660,13 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     }
     // SAFETY: `fzv` holds `MAX_NCH` = 32 ≥ 2·L floats.
     let fz = unsafe { [s.load(fzv.as_ptr()), s.load(fzv.as_ptr().add(S::L))] };
+    tp.spread = true;
     let mut t0 = 0;
     while t0 < t_all {
         let n = S::T.min(t_all - t0);
         tp.load(s, head, t0, n);
         let d = tp.deq();
+        let ah = tp.ahead(head, t0);
         let pw = (!fold).then(|| &p[t0..t0 + n]);
         if perm {
             let w = wbuf.m().as_mut_ptr();
@@ -1638,6 +1727,10 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         });
                     });
                     for tt in 0..n {
+                        if jj0 == 0 {
+                            ah[0].token(tt);
+                            ah[1].token(tt);
+                        }
                         let row = tile.add(tt * rb + jj0 * S::L);
                         let w = wbuf.s().as_ptr().add(tt * ne + jj0);
                         let zr = zbuf.s().as_ptr().add(tt * ne + jj0);
@@ -1699,6 +1792,10 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         });
                     });
                     for tt in 0..n {
+                        if j0 == 0 {
+                            ah[0].token(tt);
+                            ah[1].token(tt);
+                        }
                         let row = tile.add(tt * rb);
                         let w = wbuf.s().as_ptr().add(tt * ne);
                         let zr = zbuf.s().as_ptr().add(tt * ne);
@@ -1782,6 +1879,23 @@ impl DenseElem for f16 {
     }
 }
 
+/// The prefetch of the dense tile at `t0` ([`PREFETCH_TOKENS`] ahead),
+/// spread over its `full` column steps when the tile's bytes split into
+/// whole lines per step; otherwise issued here at once.
+#[inline(always)]
+fn dense_ahead<S: Simd>(base: *const u8, row: usize, full: usize, t0: usize) -> Ahead {
+    let bytes = S::T * row;
+    if full > 0 && bytes.is_multiple_of(full) && (bytes / full).is_multiple_of(64) {
+        Ahead {
+            p: base.wrapping_add((t0 + PREFETCH_TOKENS) * row),
+            per: bytes / full,
+        }
+    } else {
+        prefetch_ahead(base, row, t0, S::T);
+        Ahead::NONE
+    }
+}
+
 /// Dense scores, `out[i·tokens + t] = q_i · k_t` over `k = [tokens, hd]`.
 ///
 /// Panics unless `k.len()`, `q.len()` are multiples of `hd` and
@@ -1807,12 +1921,16 @@ pub(super) fn dense_scores<S: Simd, E: DenseElem>(
     let row = hd * std::mem::size_of::<E>();
     let mut t0 = 0;
     while t0 + S::T <= t_all {
-        // The same software prefetch as the packed kernels (a fair baseline).
-        prefetch_ahead(kp as *const u8, row, t0, S::T);
+        // The same software prefetch as the packed kernels (a fair
+        // baseline), spread over the tile's column steps.
+        let ah = dense_ahead::<S>(kp as *const u8, row, full, t0);
         for i in 0..nq {
             let qi = &q[i * hd..(i + 1) * hd];
             let mut acc = [s.zero(); 16];
             for j in 0..full {
+                if i == 0 {
+                    ah.token(j);
+                }
                 // SAFETY: rows `t0..t0+T ≤ tokens` of `k`; elements
                 // `j·L..j·L+L ≤ hd` of each row and of `qi`.
                 unsafe {
@@ -1878,7 +1996,7 @@ pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(
     let row = hd * std::mem::size_of::<E>();
     let mut t0 = 0;
     while t0 + S::T <= t_all {
-        prefetch_ahead(vp as *const u8, row, t0, S::T);
+        let ah = dense_ahead::<S>(vp as *const u8, row, full, t0);
         for i in 0..nq {
             let pi = &p[i * t_all + t0..i * t_all + t0 + S::T];
             let oi = &mut out[i * hd..(i + 1) * hd];
@@ -1887,6 +2005,9 @@ pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(
                 *w = s.splat(*p);
             }
             for j in 0..full {
+                if i == 0 {
+                    ah.token(j);
+                }
                 // SAFETY: rows `t0..t0+T ≤ tokens` of `v`; elements
                 // `j·L..j·L+L ≤ hd` of each row and of `oi`.
                 unsafe {
