@@ -20,7 +20,8 @@
 //! `4b-pt32` = per-token groups of 32 channels; asymmetric, f16 scale and
 //! zero. The attend loop uses KIVI's pairing: keys per-channel, values
 //! per-token (`4b-kivi32`); `-i8q` scores with the opt-in int8-query kernel
-//! (`kernels::scores_i8`, AVX-512 VNNI).
+//! (`kernels::scores_i8`, AVX-512 VNNI); `-i8qw` also takes the weighted
+//! sum through the opt-in int8-weight kernel (`kernels::weighted_sum_i8`).
 //!
 //! The full multi-head `attend` of `LayerCache` (threads across heads,
 //! residual window, sinks) is benched in `benches/cache.rs`; the loop here

@@ -45,11 +45,13 @@ pub fn quantize(
 #[derive(Clone)]
 pub enum Layer {
     /// Packed K (per-channel) and V (per-token); `i8q`: scores through the
-    /// opt-in int8-query kernel.
+    /// opt-in int8-query kernel; `i8w`: the weighted sum through the opt-in
+    /// int8-weight kernel.
     Packed {
         k: PackedBlock,
         v: PackedBlock,
         i8q: bool,
+        i8w: bool,
     },
     F16 {
         k: Vec<Vec<f16>>,
@@ -125,7 +127,12 @@ impl Layer {
         }
         out.fill(0.0);
         match self {
-            Layer::Packed { v, .. } => kernels::weighted_sum_on(be, &v.head(h), s, out).unwrap(),
+            Layer::Packed { v, i8w: false, .. } => {
+                kernels::weighted_sum_on(be, &v.head(h), s, out).unwrap()
+            }
+            Layer::Packed { v, i8w: true, .. } => {
+                kernels::weighted_sum_i8_on(be, &v.head(h), s, out).unwrap()
+            }
             Layer::F16 { v, .. } => dense::weighted_sum_f16_on(be, hd, &v[h], s, out).unwrap(),
             Layer::F32 { v, .. } => dense::weighted_sum_f32_on(be, hd, &v[h], s, out).unwrap(),
             Layer::Read { .. } => unreachable!(),
@@ -204,7 +211,8 @@ fn split(x: &[f32], ctx: usize, hd: usize) -> Vec<Vec<f32>> {
 
 /// The `attend` cases at one context, by name: the `dram-read` roofline,
 /// the dense f16 and f32 baselines, then `<backend> {2,3,4,8}b-kivi32` and
-/// the `-i8q` int8-query variants of 4 and 8 bits. `kx`/`vx` are
+/// the `-i8q` int8-query variants of 4 and 8 bits, and the `-i8qw`
+/// variants (int8 query and int8 weights). `kx`/`vx` are
 /// `[ctx, N_KV, hd]`.
 pub fn layer_cases<'a>(
     be: Backend,
@@ -246,24 +254,28 @@ pub fn layer_cases<'a>(
             }),
         ),
     ];
-    for (bits, i8q) in [
-        (2u8, false),
-        (3, false),
-        (4, false),
-        (8, false),
-        (4, true),
-        (8, true),
+    for (bits, i8q, i8w) in [
+        (2u8, false, false),
+        (3, false, false),
+        (4, false, false),
+        (8, false, false),
+        (4, true, false),
+        (8, true, false),
+        (4, true, true),
+        (8, true, true),
     ] {
+        let suffix = match (i8q, i8w) {
+            (false, _) => "",
+            (true, false) => "-i8q",
+            (true, true) => "-i8qw",
+        };
         cases.push((
-            format!(
-                "{} {bits}b-kivi32{}",
-                be.name(),
-                if i8q { "-i8q" } else { "" }
-            ),
+            format!("{} {bits}b-kivi32{suffix}", be.name()),
             Box::new(move || Layer::Packed {
                 k: quantize(bits, Axis::PerChannel, N_KV, hd, kx, ctx),
                 v: quantize(bits, Axis::PerToken, N_KV, hd, vx, ctx),
                 i8q,
+                i8w,
             }),
         ));
     }

@@ -16,6 +16,7 @@
 //! |---|---|
 //! | [`scores`] / [`scores_on`] | `q·k̂` for every packed key, exact `f32` |
 //! | [`scores_i8`] / [`scores_i8_on`] | the same with an int8-quantized query (opt-in, AVX-512 VNNI, documented extra error) |
+//! | [`weighted_sum_i8`] / [`weighted_sum_i8_on`] | the weighted sum with int8-quantized weights (opt-in, AVX-512 VNNI, documented extra error) |
 //! | [`softmax`] / [`softmax_parts`] | vectorized softmax; the unnormalized `(max, sum)` form merges chunks |
 //! | [`weighted_sum`] / [`weighted_sum_on`] | `Σ p·v̂`, accumulated into the output |
 //! | [`dense`] | the same over unquantized `f32`/`f16` rows: the baselines |
@@ -359,6 +360,83 @@ pub fn weighted_sum_on(
     Ok(())
 }
 
+/// Weighted sum with int8-quantized weights — opt-in, faster, approximate.
+/// Uses [`Backend::detect`].
+///
+/// For per-token values of 4 bits (`head_dim` 128 or 256) or 8 bits (64,
+/// 128 or 256) in groups of a multiple of 16 channels, on a CPU with
+/// AVX-512 VNNI: per query, per tile of 16 tokens and per group `g`, the
+/// weights `w_t = p_t·scale_tg` are rounded to int8 with one step
+/// `δ = max_t |w_t| / 127`, `w̃_t = round(w_t/δ)`, and multiplied into the
+/// unsigned codes with `vpdpbusd` four tokens at a time (exact `i32`
+/// sums): `out_c += δ·Σ_t w̃_t·code_tc + Σ_t p_t·zero_tg` (the zero sums
+/// exact in `f32`). About half the work per token of the exact kernel. One
+/// query per call: with several (GQA), this is the exact kernel (see
+/// [`weighted_sum_i8_is_int8`]).
+///
+/// **Extra error**, against the exact [`weighted_sum`]: the rounding adds
+/// at most `δ/2` per token and group, so per channel
+/// `|ô_c − o_c| ≤ Σ_tiles (δ_g/2)·Σ_t code_tc ≤ Σ_tiles (δ_g/2)·16·(2^bits − 1)`,
+/// and typically (independent roundings) `δ·(Σ_t code_tc²/12)^½` per tile:
+/// small next to the weight of the tile's heaviest token. With softmax
+/// weights most of the output comes from a few heavy tokens, which keep
+/// about 7 bits; `docs/PERFORMANCE.md` has measured attention-output
+/// errors. Non-finite weights give an unspecified (but not undefined)
+/// result.
+///
+/// Everywhere else — per-channel values, other widths or head dims, CPUs
+/// without VNNI, or another `backend` — this is exactly [`weighted_sum_on`].
+///
+/// # Errors
+/// As [`weighted_sum`].
+pub fn weighted_sum_i8(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) -> Result<()> {
+    weighted_sum_i8_on(Backend::detect(), head, p, out)
+}
+
+/// [`weighted_sum_i8`] on a chosen backend (the int8 kernel runs only for
+/// [`Backend::Avx512`] on a CPU with VNNI).
+///
+/// # Errors
+/// As [`weighted_sum`].
+pub fn weighted_sum_i8_on(
+    backend: Backend,
+    head: &PackedHead<'_>,
+    p: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if weighted_sum_i8_is_int8(backend, head, out.len() / head.layout().head_dim().max(1)) {
+        if let Some(s) = x86_64::Avx512Vnni::new() {
+            let nq = check_queries("weighted_sum", head.layout().head_dim(), out.len())?;
+            crate::quant::check_len("weighted_sum", "probabilities", nq * head.tokens(), p.len())?;
+            s.weighted_sum_i8(head, p, out);
+            return Ok(());
+        }
+    }
+    weighted_sum_on(backend, head, p, out)
+}
+
+/// Whether [`weighted_sum_i8_on`] runs the int8 (VNNI) kernel for this
+/// head, `n_q` queries, this backend and CPU, rather than the exact one.
+/// Only one query per call takes the int8 kernel: several queries (GQA)
+/// share each unpacked row in the exact fused kernel, which is faster
+/// for them than one int8 pass per query (measured in
+/// `docs/PERFORMANCE.md`).
+pub fn weighted_sum_i8_is_int8(backend: Backend, head: &PackedHead<'_>, n_q: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        n_q == 1
+            && backend == Backend::Avx512
+            && x86_64::Avx512Vnni::takes_ws(head)
+            && x86_64::Avx512Vnni::new().is_some()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (backend, head, n_q);
+        false
+    }
+}
+
 /// The numerically stable softmax of attention logits, in place:
 /// `x_t ← e^(x_t − max) / Σ_u e^(x_u − max)`. Uses [`Backend::detect`].
 ///
@@ -446,6 +524,130 @@ pub fn softmax_parts_on(backend: Backend, x: &mut [f32]) -> (f32, f32) {
 mod tests {
     use super::*;
     use crate::{Axis, Group, KvQuantizer, QuantScheme, UniformQuantizer};
+
+    /// The int8-weight VNNI kernel follows its portable specification
+    /// (same integer sums, same `f32` operations), and the specification
+    /// stays inside its stated error bound against the exact weighted sum.
+    #[test]
+    fn int8_weights_match_their_specification_and_bound() {
+        use crate::scheme::{Mode, ScaleFormat};
+        let mut seed = 11u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        let mut kernel_ran = false;
+        for bits in [4u8, 8, 3] {
+            for hd in [64, 128, 256] {
+                for (tokens, nq, g, mode, fmt) in [
+                    (1, 1, 32, Mode::Asymmetric, ScaleFormat::F16),
+                    (37, 2, 32, Mode::Asymmetric, ScaleFormat::F16),
+                    (100, 1, 16, Mode::Symmetric, ScaleFormat::F32),
+                    (64, 3, 64, Mode::Asymmetric, ScaleFormat::Bf16),
+                    (50, 1, hd, Mode::Symmetric, ScaleFormat::F16),
+                ] {
+                    let s = QuantScheme::new(bits, Axis::PerToken, Group::Size(g))
+                        .unwrap()
+                        .with_mode(mode)
+                        .unwrap()
+                        .with_scale_format(fmt);
+                    let qz = UniformQuantizer::new(s, 1, hd).unwrap();
+                    // Outliers in some tokens, a constant (zero-range) row.
+                    let x: Vec<f32> = (0..tokens * hd)
+                        .map(|i| match (i / hd) % 7 {
+                            3 => 0.5,
+                            5 => rnd() * 40.0,
+                            _ => rnd() * 3.0,
+                        })
+                        .collect();
+                    let block = qz.quantize(&x, tokens).unwrap();
+                    let head = block.head(0);
+                    // Softmax-like weights: a few heavy tokens, a long tail.
+                    let p: Vec<f32> = (0..nq * tokens)
+                        .map(|i| {
+                            (rnd() * 6.0).exp() / tokens as f32
+                                * if i % 5 == 0 { -1.0 } else { 1.0 }
+                        })
+                        .collect();
+                    let start: Vec<f32> = (0..nq * hd).map(|_| rnd()).collect();
+                    let mut want = start.clone();
+                    portable::weighted_sum_i8(&head, &p, &mut want);
+                    let mut exact = start.clone();
+                    portable::weighted_sum(&head, &p, &mut exact);
+                    // The bound: δ/2 per token and group times the codes.
+                    let l = head.layout();
+                    let (gpr, cpg) = (l.groups_per_row(), l.channels_per_group());
+                    let mut sc = vec![0f32; gpr];
+                    let mut ze = vec![0f32; gpr];
+                    for i in 0..nq {
+                        let mut bound = vec![0f32; gpr];
+                        let mut mag = vec![0f32; gpr];
+                        for t0 in (0..tokens).step_by(portable::I8_TILE) {
+                            let mut amax = vec![0f32; gpr];
+                            for t in t0..(t0 + portable::I8_TILE).min(tokens) {
+                                head.params_into(t, &mut sc, &mut ze);
+                                for g in 0..gpr {
+                                    let w = p[i * tokens + t] * sc[g];
+                                    amax[g] = amax[g].max(w.abs());
+                                    mag[g] += w.abs() * ((1u32 << bits) - 1) as f32
+                                        + (p[i * tokens + t] * ze[g]).abs();
+                                }
+                            }
+                            let n = (tokens - t0).min(portable::I8_TILE) as f32;
+                            for g in 0..gpr {
+                                bound[g] += amax[g] / 254.0 * n * ((1u32 << bits) - 1) as f32;
+                            }
+                        }
+                        for c in 0..hd {
+                            let (a, b) = (want[i * hd + c], exact[i * hd + c]);
+                            let g = c / cpg;
+                            let slack = 1e-5 * (mag[g] + start[i * hd + c].abs());
+                            assert!(
+                                (a - b).abs() <= bound[g] * 1.0001 + slack,
+                                "bits {bits} hd {hd} g {g}: {a} vs exact {b}, bound {}",
+                                bound[g]
+                            );
+                        }
+                    }
+                    let close = |got: &[f32]| {
+                        for (a, b) in got.iter().zip(&want) {
+                            assert!(
+                                (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+                                "bits {bits} hd {hd} g {g} nq {nq}: {a} vs {b}"
+                            );
+                        }
+                    };
+                    let mut got = start.clone();
+                    weighted_sum_i8_on(Backend::Avx512, &head, &p, &mut got).unwrap();
+                    if weighted_sum_i8_is_int8(Backend::Avx512, &head, nq) {
+                        close(&got);
+                    } else {
+                        // Several queries, other shapes, CPUs without VNNI:
+                        // the exact kernel.
+                        let mut e = start.clone();
+                        weighted_sum_on(Backend::Avx512, &head, &p, &mut e).unwrap();
+                        assert_eq!(got, e);
+                    }
+                    // The kernel itself takes several queries too.
+                    #[cfg(target_arch = "x86_64")]
+                    if let (true, Some(v)) = (
+                        x86_64::Avx512Vnni::takes_ws(&head),
+                        x86_64::Avx512Vnni::new(),
+                    ) {
+                        let mut direct = start.clone();
+                        v.weighted_sum_i8(&head, &p, &mut direct);
+                        close(&direct);
+                        kernel_ran = true;
+                    }
+                }
+            }
+        }
+        if !kernel_ran {
+            println!("skipping the int8-weight kernel: this CPU has no AVX-512 VNNI");
+        }
+    }
 
     /// The VNNI kernel computes exactly the integer sums of the portable
     /// specification; only the final `δ·sum + bias` may round differently.

@@ -225,3 +225,69 @@ pub(crate) fn quantize_query(q: &[f32], sc: &[f32], ze: &[f32], qi: &mut [i32]) 
     }
     (delta, dot(q, ze))
 }
+
+/// Tokens per tile of [`weighted_sum_i8`]: each tile and group gets its
+/// own int8 weight step.
+pub(crate) const I8_TILE: usize = 16;
+
+/// The int8-weight arithmetic of [`super::weighted_sum_i8`], in plain
+/// Rust: the specification the VNNI kernel follows exactly (its integer
+/// sums are equal; its `f32` operations are the same, in the same order).
+///
+/// Per query, per tile of [`I8_TILE`] tokens and per group `g`: the
+/// weights `w_t = p_t·scale_tg` get one step `δ = max_t |w_t| / 127` and
+/// are rounded to `w̃_t = round(w_t/δ)` (ties to even); channel `c` of the
+/// group adds `δ·Σ_t w̃_t·code_tc` (exact `i32` sum), and the zero points
+/// add `Σ_t p_t·zero_tg` in `f32` as in the exact kernels.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn weighted_sum_i8(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+    let l = head.layout();
+    assert_eq!(l.scheme().axis(), Axis::PerToken);
+    let hd = l.head_dim();
+    let rb = l.row_bytes();
+    let bits = l.scheme().bits();
+    let t_all = head.tokens();
+    let nq = out.len() / hd;
+    let (gpr, cpg) = (l.groups_per_row(), l.channels_per_group());
+    let mut codes = vec![0u8; I8_TILE * hd];
+    let (mut sc, mut ze) = (vec![0f32; I8_TILE * gpr], vec![0f32; I8_TILE * gpr]);
+    let mut acc = vec![0f32; hd];
+    let mut zs = vec![0f32; gpr];
+    let mut qw = [0i32; I8_TILE];
+    for i in 0..nq {
+        let pi = &p[i * t_all..(i + 1) * t_all];
+        acc.fill(0.0);
+        zs.fill(0.0);
+        for t0 in (0..t_all).step_by(I8_TILE) {
+            let n = I8_TILE.min(t_all - t0);
+            for tt in 0..n {
+                let t = t0 + tt;
+                pack::unpack(
+                    &head.codes[t * rb..(t + 1) * rb],
+                    bits,
+                    &mut codes[tt * hd..(tt + 1) * hd],
+                );
+                head.params_into(t, &mut sc[tt * gpr..], &mut ze[tt * gpr..]);
+                for (g, z) in zs.iter_mut().enumerate() {
+                    *z = ze[tt * gpr + g].mul_add(pi[t], *z);
+                }
+            }
+            for g in 0..gpr {
+                let w = |tt: usize| pi[t0 + tt] * sc[tt * gpr + g];
+                let amax = (0..n).fold(0f32, |m, tt| m.max(w(tt).abs()));
+                let delta = amax / 127.0;
+                let inv = if delta > 0.0 { 1.0 / delta } else { 0.0 };
+                for (tt, q) in qw.iter_mut().enumerate().take(n) {
+                    *q = (w(tt) * inv).round_ties_even().clamp(-127.0, 127.0) as i32;
+                }
+                for c in g * cpg..(g + 1) * cpg {
+                    let sum: i32 = (0..n).map(|tt| qw[tt] * codes[tt * hd + c] as i32).sum();
+                    acc[c] = delta.mul_add(sum as f32, acc[c]);
+                }
+            }
+        }
+        for (c, o) in out[i * hd..(i + 1) * hd].iter_mut().enumerate() {
+            *o += acc[c] + zs[c / cpg];
+        }
+    }
+}

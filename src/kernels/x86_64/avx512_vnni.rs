@@ -14,6 +14,7 @@
 
 use super::tile::{self, Buf, Plan};
 use super::{Avx512, Simd};
+use crate::scheme::{Axis, Mode};
 use crate::store::PackedHead;
 use core::arch::x86_64::*;
 
@@ -50,6 +51,266 @@ impl Avx512Vnni {
         // SAFETY: `self` proves the features the entry enables;
         // `check_head` and the assert above give the kernel's preconditions.
         unsafe { entry(self, head, q, out) }
+    }
+}
+
+impl Avx512Vnni {
+    /// Whether the int8-weight kernel takes `head`: per-token values of 4
+    /// bits (`head_dim` 128 or 256) or 8 bits (64, 128 or 256), in groups
+    /// of a multiple of 16 channels; otherwise callers run the exact kernel.
+    pub(crate) fn takes_ws(head: &PackedHead<'_>) -> bool {
+        let l = head.layout();
+        let hd = l.head_dim();
+        l.scheme().axis() == Axis::PerToken
+            && match l.scheme().bits() {
+                4 => matches!(hd, 128 | 256),
+                8 => matches!(hd, 64 | 128 | 256),
+                _ => false,
+            }
+            && l.channels_per_group().is_multiple_of(16)
+    }
+
+    /// Int8-weight weighted sum (see [`crate::kernels::weighted_sum_i8`]).
+    ///
+    /// # Panics
+    /// If the lengths do not fit the head or [`takes_ws`](Self::takes_ws)
+    /// is false.
+    pub(crate) fn weighted_sum_i8(self, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+        super::check_head(head, out.len(), p.len());
+        assert!(
+            Self::takes_ws(head),
+            "weighted_sum_i8: per-token values of 4 bits (head_dim 128/256) or 8 bits (64/128/256)"
+        );
+        // SAFETY: `self` proves the features the entry enables;
+        // `check_head` and the assert above give the kernel's preconditions.
+        unsafe { entry_ws(self, head, p, out) }
+    }
+}
+
+/// # Safety
+/// The CPU has the enabled features; `check_head(head, out.len(),
+/// p.len())` passed and [`Avx512Vnni::takes_ws`] holds.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn entry_ws(s: Avx512Vnni, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+    let l = head.layout();
+    // SAFETY: the caller's contract, passed on (`takes_ws`: the bits and
+    // head dims matched here).
+    unsafe {
+        match (l.scheme().bits(), l.head_dim()) {
+            (4, 128) => kernel_ws::<4, 128>(s, head, p, out),
+            (4, _) => kernel_ws::<4, 256>(s, head, p, out),
+            (_, 64) => kernel_ws::<8, 64>(s, head, p, out),
+            (_, 128) => kernel_ws::<8, 128>(s, head, p, out),
+            _ => kernel_ws::<8, 256>(s, head, p, out),
+        }
+    }
+}
+
+/// `vpternlogd` selector for `(a & c) | (b & !c)`.
+const SELECT: i32 = 0xE4;
+
+/// The int8-weight weighted sum of `portable::weighted_sum_i8`, per query
+/// and tile of 16 tokens:
+///
+/// 1. each token's group weights `w = p_t·scale_tg` (lanes = groups) and
+///    their maximum magnitude per group, the zero sums `Σ p_t·zero_tg`;
+/// 2. per four tokens, the rounded weights as bytes, one dword per group
+///    holding the four tokens' weights, permuted to the lanes of each code
+///    vector;
+/// 3. the four tokens' rows interleaved (two rounds of byte/word unpacks)
+///    so that each dword holds one channel's codes of the four tokens, and
+///    one `vpdpbusd` per code vector (for 4 bits, the high nibbles are
+///    masked in place, at 16 times their value);
+/// 4. at the tile's end the `i32` sums times each group's step into `f32`.
+///
+/// Code vector `k` of 64-byte chunk `v` holds, in lane `4j + m`, byte
+/// `64v + 16j + 4k + m` of the rows: channel `64v + 16j + 4k + m + f·rb`
+/// for field `f` (4 bits: `rb = head_dim/2`), so a 128-bit lane never
+/// straddles a group of a multiple of 16 channels.
+///
+/// # Safety
+/// As [`entry_ws`], with `B`/`HD` the head's bits and head dimension.
+#[inline(always)]
+unsafe fn kernel_ws<const B: u8, const HD: usize>(
+    v: Avx512Vnni,
+    head: &PackedHead<'_>,
+    p: &[f32],
+    out: &mut [f32],
+) {
+    let s = v.0;
+    let l = head.layout();
+    let sch = l.scheme();
+    let (t_all, rb) = (head.tokens(), l.row_bytes());
+    let (gpr, cpg) = (l.groups_per_row(), l.channels_per_group());
+    let fmt = sch.scale_format();
+    let sym = sch.mode() == Mode::Symmetric;
+    let half = (1u32 << (B - 1)) as f32;
+    let vals = if sym { gpr } else { 2 * gpr };
+    let pb_tok = vals * fmt.bytes();
+    let nq = out.len() / HD;
+    // 64-byte chunks per row, fields per byte.
+    let nv = HD * B as usize / 8 / 64;
+    let nf = 8 / B as usize;
+    assert!(
+        (1..=4).contains(&nv) && nv * nf <= 4 && gpr <= 16 && t_all > 0,
+        "weighted_sum_i8: shape"
+    );
+    let codes = head.codes().as_ptr();
+    let params = head.params();
+    let mut conv = Buf::new(16 * vals + 32);
+    let mut wbuf = Buf::new(16 * 16);
+    let mut facc = Buf::new(16 * 16 * 4);
+    let mut zs = [0f32; 16];
+    let mut lanes = [0i32; 16];
+    // SAFETY: the features of `entry_ws`; every pointer below stays in its
+    // buffer: rows `t0 + tt` with `tt < n` (or row `t0`) of `codes`
+    // (check_head), 64-byte chunks `v < nv` of a row, `conv` rows `tt < n`
+    // of `vals` floats (+16 lanes of padding for the masked loads), `wbuf`
+    // 16 rows of 16 floats, `facc` `4·nv·nf ≤ 16` vectors.
+    unsafe {
+        // Lane `4j + m` of code vectors of chunk `v`, field `f`: its group.
+        let mut gidx = [[_mm512_setzero_si512(); 2]; 4];
+        for (vi, gv) in gidx.iter_mut().enumerate().take(nv) {
+            for (f, g) in gv.iter_mut().enumerate().take(nf) {
+                for (lane, x) in lanes.iter_mut().enumerate() {
+                    *x = ((64 * vi + 16 * (lane / 4) + f * rb) / cpg) as i32;
+                }
+                *g = _mm512_loadu_si512(lanes.as_ptr() as *const _);
+            }
+        }
+        let gmask = ((1u32 << gpr) - 1) as __mmask16;
+        let (lo, hi) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0xF0u8 as i8));
+        let (m8, m16, m24) = (
+            _mm512_set1_epi32(0xFF),
+            _mm512_set1_epi32(0xFFFF),
+            _mm512_set1_epi32(0xFF_FFFF),
+        );
+        for i in 0..nq {
+            let pi = p.as_ptr().add(i * t_all);
+            for k in 0..16 {
+                s.store(facc.m().as_mut_ptr().add(16 * k), s.zero());
+            }
+            let mut zacc = s.zero();
+            let mut t0 = 0;
+            while t0 < t_all {
+                let n = 16.min(t_all - t0);
+                let ah = [
+                    tile::Ahead::new(codes, rb, t0),
+                    tile::Ahead::new(params.as_ptr(), pb_tok, t0),
+                ];
+                tile::cvt_params(
+                    s,
+                    fmt,
+                    &params[t0 * pb_tok..(t0 + n) * pb_tok],
+                    &mut conv.m()[..n * vals],
+                );
+                // 1. Weights, their maxima, the zero sums.
+                let mut amax = s.zero();
+                for tt in 0..16 {
+                    let w = if tt < n {
+                        ah[0].token(tt);
+                        ah[1].token(tt);
+                        let pb = s.bcast(pi.add(t0 + tt));
+                        let row = conv.s().as_ptr().add(tt * vals);
+                        let sc = _mm512_maskz_loadu_ps(gmask, row);
+                        let ze = if sym {
+                            s.mul(sc, s.splat(-half))
+                        } else {
+                            _mm512_maskz_loadu_ps(gmask, row.add(gpr))
+                        };
+                        zacc = s.fma(ze, pb, zacc);
+                        s.mul(sc, pb)
+                    } else {
+                        s.zero()
+                    };
+                    amax = s.max(amax, _mm512_abs_ps(w));
+                    s.store(wbuf.m().as_mut_ptr().add(16 * tt), w);
+                }
+                let delta = _mm512_div_ps(amax, s.splat(127.0));
+                let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(delta, s.zero());
+                let inv = _mm512_maskz_div_ps(pos, s.splat(1.0), delta);
+                // 2.–3. Four tokens at a time.
+                let mut acc = [[_mm512_setzero_si512(); 4]; 4];
+                for q in 0..4 {
+                    let mut qv = [_mm512_setzero_si512(); 4];
+                    for (u, x) in qv.iter_mut().enumerate() {
+                        let w = s.load(wbuf.s().as_ptr().add(16 * (4 * q + u)));
+                        *x = _mm512_cvtps_epi32(s.mul(w, inv));
+                    }
+                    // Dword `g`: the four tokens' weights of group `g`, as bytes.
+                    let x = _mm512_ternarylogic_epi32::<SELECT>(
+                        qv[0],
+                        _mm512_slli_epi32::<8>(qv[1]),
+                        m8,
+                    );
+                    let x =
+                        _mm512_ternarylogic_epi32::<SELECT>(x, _mm512_slli_epi32::<16>(qv[2]), m16);
+                    let x =
+                        _mm512_ternarylogic_epi32::<SELECT>(x, _mm512_slli_epi32::<24>(qv[3]), m24);
+                    let row = |u: usize| {
+                        let tt = if 4 * q + u < n { 4 * q + u } else { 0 };
+                        codes.add((t0 + tt) * rb)
+                    };
+                    let rows = [row(0), row(1), row(2), row(3)];
+                    for vi in 0..nv {
+                        let r = |u: usize| _mm512_loadu_si512(rows[u].add(64 * vi) as *const _);
+                        let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
+                        let a = _mm512_unpacklo_epi8(r0, r1);
+                        let b = _mm512_unpackhi_epi8(r0, r1);
+                        let c = _mm512_unpacklo_epi8(r2, r3);
+                        let d = _mm512_unpackhi_epi8(r2, r3);
+                        let xs = [
+                            _mm512_unpacklo_epi16(a, c),
+                            _mm512_unpackhi_epi16(a, c),
+                            _mm512_unpacklo_epi16(b, d),
+                            _mm512_unpackhi_epi16(b, d),
+                        ];
+                        // Accumulator slot `vi·nf + f`.
+                        let w0 = _mm512_permutexvar_epi32(gidx[vi][0], x);
+                        if B == 4 {
+                            let w1 = _mm512_permutexvar_epi32(gidx[vi][1], x);
+                            for (k, xk) in xs.iter().enumerate() {
+                                let a0 = &mut acc[2 * vi][k];
+                                *a0 = _mm512_dpbusd_epi32(*a0, _mm512_and_si512(*xk, lo), w0);
+                                let a1 = &mut acc[2 * vi + 1][k];
+                                *a1 = _mm512_dpbusd_epi32(*a1, _mm512_and_si512(*xk, hi), w1);
+                            }
+                        } else {
+                            for (k, xk) in xs.iter().enumerate() {
+                                acc[vi][k] = _mm512_dpbusd_epi32(acc[vi][k], *xk, w0);
+                            }
+                        }
+                    }
+                }
+                // 4. `facc += δ_g·sum` (high nibbles summed at 16 times).
+                for (vi, gv) in gidx.iter().enumerate().take(nv) {
+                    for (f, gf) in gv.iter().enumerate().take(nf) {
+                        let mut dv = _mm512_permutexvar_ps(*gf, delta);
+                        if B == 4 && f == 1 {
+                            dv = s.mul(dv, s.splat(1.0 / 16.0));
+                        }
+                        let slot = vi * nf + f;
+                        for (k, a) in acc[slot].iter().enumerate() {
+                            let o = facc.m().as_mut_ptr().add(16 * (4 * slot + k));
+                            s.store(o, s.fma(_mm512_cvtepi32_ps(*a), dv, s.load(o)));
+                        }
+                    }
+                }
+                t0 += n;
+            }
+            // Lanes back to channels, plus the zero sums.
+            s.store(zs.as_mut_ptr(), zacc);
+            let o = &mut out[i * HD..(i + 1) * HD];
+            for slot in 0..nv * nf {
+                let (vi, f) = (slot / nf, slot % nf);
+                for k in 0..4 {
+                    for lane in 0..16 {
+                        let c = 64 * vi + 16 * (lane / 4) + 4 * k + lane % 4 + f * rb;
+                        o[c] += facc.s()[16 * (4 * slot + k) + lane] + zs[c / cpg];
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -837,7 +837,7 @@ pub(super) fn store_lanes<S: Simd>(s: S, v: S::F, out: &mut [f32]) {
 
 /// Widen stored scales/zeros: `dst[i]` from bytes `i·fb..` of `src`.
 #[inline(always)]
-fn cvt_params<S: Simd>(s: S, fmt: ScaleFormat, src: &[u8], dst: &mut [f32]) {
+pub(super) fn cvt_params<S: Simd>(s: S, fmt: ScaleFormat, src: &[u8], dst: &mut [f32]) {
     let fb = fmt.bytes();
     let n = dst.len();
     assert!(src.len() >= n * fb, "kernels: params shorter than expected");
