@@ -112,6 +112,7 @@ fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
             values: v,
             residual,
             sinks,
+            int8: false,
         },
     };
     let pt = |b, g| s(b, Axis::PerToken, g);
@@ -126,6 +127,15 @@ fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
             Some(pc(4, g32)),
             Some(pt(4, g32)),
         ));
+        // The same cache read through the opt-in int8 kernels (int8 query;
+        // int8 weights where one query per KV head reaches them).
+        let mut kivi_i8 = mk(
+            "K4/V4 KIVI pc32/pt32 int8 kernels".into(),
+            Some(pc(4, g32)),
+            Some(pt(4, g32)),
+        );
+        kivi_i8.spec.int8 = true;
+        g.push(kivi_i8);
         g.push(mk("K4/V4 pt32".into(), Some(pt(4, g32)), Some(pt(4, g32))));
         g.push(mk(
             "K4/V4 pt-vector".into(),

@@ -76,6 +76,7 @@ pub struct CacheConfig {
     softmax_scale: Option<f32>,
     backend: Option<Backend>,
     threads: usize,
+    int8: bool,
 }
 
 impl CacheConfig {
@@ -93,6 +94,7 @@ impl CacheConfig {
             softmax_scale: None,
             backend: None,
             threads: 0,
+            int8: false,
         }
     }
     /// Quantize keys with `scheme`.
@@ -134,6 +136,20 @@ impl CacheConfig {
     pub fn backend(mut self, backend: Backend) -> Self {
         self.backend = Some(backend);
         self
+    }
+    /// Opt in to the approximate int8 kernels in `attend`: packed keys
+    /// through [`kernels::scores_i8_on`] (int8 query) and packed values
+    /// through [`kernels::weighted_sum_i8_on`] (int8 weights). Faster on
+    /// CPUs with AVX-512 VNNI, with the extra error documented there and
+    /// measured by `cargo run --release --example int8_error`; elsewhere
+    /// the exact kernels. Default off.
+    pub fn int8_kernels(mut self, on: bool) -> Self {
+        self.int8 = on;
+        self
+    }
+    /// Whether `attend` uses the int8 kernels ([`CacheConfig::int8_kernels`]).
+    pub fn uses_int8_kernels(&self) -> bool {
+        self.int8
     }
     /// Use at most `n` threads in `attend` (0 = all available, 1 = the
     /// calling thread only, for engines with their own pools).
@@ -1230,8 +1246,12 @@ impl LayerCache {
                 SectionData::Packed(view) => {
                     tmp.clear();
                     tmp.resize(rows * sec.len, 0.0);
-                    kernels::scores_on(self.backend, &view, q, tmp)
-                        .expect("lengths are consistent");
+                    if self.cfg.int8 {
+                        kernels::scores_i8_on(self.backend, &view, q, tmp)
+                    } else {
+                        kernels::scores_on(self.backend, &view, q, tmp)
+                    }
+                    .expect("lengths are consistent");
                     for i in 0..rows {
                         out[i * width + off..i * width + off + sec.len]
                             .copy_from_slice(&tmp[i * sec.len..(i + 1) * sec.len]);
@@ -1276,8 +1296,12 @@ impl LayerCache {
                         tmp[i * sec.len..(i + 1) * sec.len]
                             .copy_from_slice(&p[i * width + off..i * width + off + sec.len]);
                     }
-                    kernels::weighted_sum_on(self.backend, &view, tmp, dst)
-                        .expect("lengths are consistent");
+                    if self.cfg.int8 {
+                        kernels::weighted_sum_i8_on(self.backend, &view, tmp, dst)
+                    } else {
+                        kernels::weighted_sum_on(self.backend, &view, tmp, dst)
+                    }
+                    .expect("lengths are consistent");
                 }
             }
         }

@@ -737,3 +737,50 @@ fn every_backend_gives_the_same_causal_block_attention() {
         }
     }
 }
+
+#[test]
+fn int8_kernels_are_opt_in_and_close_to_exact() {
+    let (n_kv, hd, len) = (2, 128, 600);
+    let (k, v) = kivi(4);
+    let mut rng = Rng(21);
+    let w = n_kv * hd;
+    let (ks, vs) = (rng.vec(len * w), rng.vec(len * w));
+    // One query per KV head (decode): both int8 kernels take it.
+    let q = rng.vec(n_kv * hd);
+    let run = |bk: kvq::Backend, int8: bool| {
+        let cfg = CacheConfig::new(n_kv, hd)
+            .keys(k)
+            .values(v)
+            .backend(bk)
+            .int8_kernels(int8);
+        assert_eq!(cfg.uses_int8_kernels(), int8);
+        let mut c = LayerCache::new(cfg).unwrap();
+        c.extend(&ks, &vs).unwrap();
+        let mut out = vec![0.0; q.len()];
+        c.attend(&q, n_kv, &mut out).unwrap();
+        out
+    };
+    // The portable backend has no int8 kernels: exactly the exact path.
+    assert_eq!(
+        run(kvq::Backend::Portable, true),
+        run(kvq::Backend::Portable, false)
+    );
+    let bk = kvq::Backend::detect();
+    let (exact, int8) = (run(bk, false), run(bk, true));
+    let dense = dense_attention(&q, n_kv, &ks, &vs, n_kv, hd, 1.0 / (hd as f32).sqrt());
+    let rms = |a: &[f32], b: &[f32]| {
+        (a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum::<f32>() / a.len() as f32).sqrt()
+    };
+    // The int8 rounding adds less error than the 4-bit cache itself has.
+    let (extra, quant) = (rms(&int8, &exact), rms(&exact, &dense));
+    assert!(
+        extra < 0.6 * quant,
+        "int8 adds {extra}, the cache's own error {quant}"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if bk == kvq::Backend::Avx512 && std::arch::is_x86_feature_detected!("avx512vnni") {
+        assert_ne!(int8, exact, "the int8 kernels did not run");
+    } else {
+        println!("skipping the int8 comparison: no AVX-512 VNNI here");
+    }
+}

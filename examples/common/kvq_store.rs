@@ -17,6 +17,9 @@ pub struct CacheSpec {
     pub residual: usize,
     /// Attention-sink tokens kept exact.
     pub sinks: usize,
+    /// Attention through the opt-in int8 kernels
+    /// ([`CacheConfig::int8_kernels`]).
+    pub int8: bool,
 }
 
 impl CacheSpec {
@@ -26,6 +29,7 @@ impl CacheSpec {
         values: None,
         residual: 0,
         sinks: 0,
+        int8: false,
     };
 }
 
@@ -47,7 +51,8 @@ impl KvqStore {
             .keys_opt(spec.keys)
             .values_opt(spec.values)
             .residual(spec.residual)
-            .sinks(spec.sinks);
+            .sinks(spec.sinks)
+            .int8_kernels(spec.int8);
         Ok(KvqStore {
             cache: KvCache::uniform(n_layers, cfg)?,
         })
