@@ -542,6 +542,7 @@ mod tests {
         for bits in [4u8, 8, 3] {
             for hd in [64, 128, 256] {
                 for (tokens, nq, g, mode, fmt) in [
+                    (0, 1, 32, Mode::Asymmetric, ScaleFormat::F16),
                     (1, 1, 32, Mode::Asymmetric, ScaleFormat::F16),
                     (37, 2, 32, Mode::Asymmetric, ScaleFormat::F16),
                     (100, 1, 16, Mode::Symmetric, ScaleFormat::F32),
