@@ -74,9 +74,8 @@ pub(super) fn prefetch_ahead(base: *const u8, per: usize, t0: usize, n: usize) {
 /// One stream's prefetch spread over a tile's tokens: token `tt` asks for
 /// the lines that start within its bytes [`PREFETCH_TOKENS`] ahead, so the
 /// requests go out one or two per token between the vector work instead
-/// of as a burst at the tile's start (a burst of a tile's lines can
-/// exceed the core's line fill buffers and hold up retirement while the
-/// tile is computed).
+/// of as a burst at the tile's start (measured faster, most for the dense
+/// f16 kernels: `docs/PERFORMANCE.md`, session 7).
 #[derive(Clone, Copy)]
 pub(super) struct Ahead {
     p: *const u8,
