@@ -1529,6 +1529,54 @@ unsafe fn expand_scales<S: Simd>(
     *z = s.add(*z, s.add(s.add(zt[0], zt[1]), s.add(zt[2], zt[3])));
 }
 
+/// [`expand_scales`] for one query, straight from `f16` params: row `t`
+/// of `w` gets token `t`'s scales times `pw[t]`, permuted to the vectors
+/// by `ix`. Token `t`'s `vals` numbers start at `src + 2·t·vals` and are
+/// read as one vector (`2·gpr ≤ L` or symmetric), so `z` gets `Σ_t
+/// pw[t]·(scales, zeros)`: the zero sums in lanes `gpr..2·gpr` (the
+/// scale sums in lanes `0..gpr`). No widened copy of the params: its
+/// stores and the loads of rows that straddle two of them were the
+/// larger part of this step's cost (`docs/PERFORMANCE.md`, session 8).
+///
+/// # Safety
+/// `src` valid for `2·((n−1)·vals + L)` bytes; `pw` holds `n ≤ T`
+/// weights; `w` `n` rows of `ne ≤ 2·L`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn expand_scales_f16<S: Simd>(
+    s: S,
+    src: *const u8,
+    vals: usize,
+    pw: &[f32],
+    ix: [S::I; 2],
+    ne: usize,
+    w: *mut f32,
+    z: &mut S::F,
+) {
+    let n = pw.len();
+    let mut zt = [s.zero(); 4];
+    let mut t = 0;
+    while t < n {
+        unroll!(u in 0, 4 => {
+            if t + u < n {
+                // SAFETY: the caller's contract; row `t + u < n`.
+                unsafe {
+                    let v = s.load_f16(src.add(2 * (t + u) * vals));
+                    let v = s.mul(v, s.bcast(pw.as_ptr().add(t + u)));
+                    zt[u] = s.add(zt[u], v);
+                    let r = w.add((t + u) * ne);
+                    s.store(r, s.permute(v, ix[0]));
+                    if ne > S::L {
+                        s.store(r.add(S::L), s.permute(v, ix[1]));
+                    }
+                }
+            }
+        });
+        t += 4;
+    }
+    *z = s.add(*z, s.add(s.add(zt[0], zt[1]), s.add(zt[2], zt[3])));
+}
+
 /// `z[c] += Σ_t pi[t]·zero_tc` for the `gch` zero vectors of a tile, in
 /// four independent chains.
 ///
@@ -1606,7 +1654,7 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     let fold = NQ > 1;
     // Floats per token of the per-vector scales.
     let ne = nch.div_ceil(S::L) * S::L;
-    let mut wbuf = Buf::new(S::T * ne);
+    let mut wbuf = Buf::new(2 * S::T * ne);
     // Lane `l` of index vector `m`: the group of vector `m·L + l`.
     let mut idx = [[0i32; 16]; 2];
     let perm = gch == 1 && ne <= 2 * S::L;
@@ -1650,7 +1698,7 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     // + zero`, one FMA per code vector) and need no per-query zero sums.
     // On the byte-vector path vector `j` is field `j div h` at `2^{B·f}`
     // times its codes, and so is its zero. (Exact: a power of two.)
-    let mut zbuf = Buf::new(S::T * ne);
+    let mut zbuf = Buf::new(2 * S::T * ne);
     let mut fzv = [1f32; MAX_NCH];
     if nib {
         for (j, f) in fzv.iter_mut().enumerate().take(nch) {
@@ -1660,44 +1708,93 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     // SAFETY: `fzv` holds `MAX_NCH` = 32 ≥ 2·L floats.
     let fz = unsafe { [s.load(fzv.as_ptr()), s.load(fzv.as_ptr().add(S::L))] };
     tp.spread = true;
-    let mut t0 = 0;
-    while t0 < t_all {
-        let n = S::T.min(t_all - t0);
-        tp.load(s, head, t0, n);
-        let d = tp.deq();
-        let ah = tp.ahead(head, t0);
-        let pw = (!fold).then(|| &p[t0..t0 + n]);
-        if perm {
-            let w = wbuf.m().as_mut_ptr();
-            let zo = if fold {
-                Some((zbuf.m().as_mut_ptr(), fz))
+    let pper = tp.vals * tp.p.fmt.bytes();
+    // One query with `f16` params whose scales and zeros fit one vector:
+    // weights straight from the stored params ([`expand_scales_f16`]).
+    let direct = !fold && perm && tp.p.fmt == ScaleFormat::F16 && (tp.p.sym || 2 * gpr <= S::L);
+    let mut tail = vec![0u8; 2 * (S::T * tp.vals + S::L)];
+    // Two slots of `T` rows each: the next tile's weights are made before
+    // the current tile's loop, so out-of-order execution overlaps their
+    // latency chain (param load, convert, store, broadcast) with the loop
+    // instead of stalling the loop's first FMAs on it.
+    let slot = S::T * ne;
+    let (wp, zp) = (wbuf.m().as_mut_ptr(), zbuf.m().as_mut_ptr());
+    let tiles = t_all.div_ceil(S::T);
+    // Step `it` makes tile `it`'s weights (and, with several queries,
+    // zeros) into slot `it mod 2` (one query's zero sums into `zacc`),
+    // then runs tile `it − 1`. (A closure would not inherit the target
+    // features.)
+    for it in 0..=tiles {
+        if it < tiles {
+            let (t0, k) = (it * S::T, it % 2);
+            let n = S::T.min(t_all - t0);
+            let pw = (!fold).then(|| &p[t0..t0 + n]);
+            // SAFETY: slot `k < 2` of `wbuf`/`zbuf` (`2·T·ne` floats each).
+            let (w, zr) = unsafe { (wp.add(k * slot), zp.add(k * slot)) };
+            if direct {
+                let (vals, par) = (tp.vals, head.params());
+                let (a, b) = (2 * t0 * vals, 2 * ((n - 1) * vals + S::L));
+                // The last tiles read through a padded copy.
+                let src = if a + b <= par.len() {
+                    par[a..].as_ptr()
+                } else {
+                    tail.fill(0);
+                    tail[..2 * n * vals].copy_from_slice(&par[a..a + 2 * n * vals]);
+                    tail.as_ptr()
+                };
+                // SAFETY: `src` holds `b` bytes (checked, or the copy of
+                // `2·n·vals + 2·L` bytes); `pw` `n ≤ T` weights; the slot
+                // `T` rows of `ne ≤ 2·L`.
+                unsafe {
+                    expand_scales_f16(s, src, vals, pw.unwrap_or(&[]), ix, ne, w, &mut zacc[0])
+                };
             } else {
-                None
-            };
-            // SAFETY: the params buffers are padded by `PAD ≥ L` floats
-            // past the tile's last token; `wbuf` and `zbuf` hold `T ≥ n`
-            // rows of `ne`.
-            unsafe { expand_scales(s, d, pw, zo, ix, ne, n, w, &mut zacc[0]) };
-        } else {
-            for t in 0..n {
-                let k = pw.map_or(1.0, |pw| pw[t]);
-                for (j, (&gj, &fj)) in tp.goff.iter().zip(&fzv).enumerate().take(nch) {
-                    let o = t * d.stride + gj as usize;
-                    // SAFETY: group `goff[j] < gpr` of token `t < n`.
-                    let (sc, ze) = unsafe { (*d.sc.add(o), *d.ze.add(o)) };
-                    wbuf.m()[t * ne + j] = sc * k;
-                    if fold {
-                        zbuf.m()[t * ne + j] = ze * fj;
+                tp.load(s, head, t0, n);
+                let d = tp.deq();
+                if perm {
+                    let zo = if fold { Some((zr, fz)) } else { None };
+                    // SAFETY: the params buffers are padded by `PAD ≥ L` floats
+                    // past the tile's last token; the slot holds `T ≥ n` rows of
+                    // `ne`.
+                    unsafe { expand_scales(s, d, pw, zo, ix, ne, n, w, &mut zacc[0]) };
+                } else {
+                    for t in 0..n {
+                        let k = pw.map_or(1.0, |pw| pw[t]);
+                        for (j, (&gj, &fj)) in tp.goff.iter().zip(&fzv).enumerate().take(nch) {
+                            let o = t * d.stride + gj as usize;
+                            // SAFETY: group `goff[j] < gpr` of token `t < n`; row
+                            // `t < T` of the slot, `j < nch ≤ ne`.
+                            unsafe {
+                                let (sc, ze) = (*d.sc.add(o), *d.ze.add(o));
+                                *w.add(t * ne + j) = sc * k;
+                                if fold {
+                                    *zr.add(t * ne + j) = ze * fj;
+                                }
+                            }
+                        }
                     }
+                }
+                // (One query's zero sums were taken with its weights above;
+                // several queries' are folded into the code vectors.)
+                if !fold && !perm {
+                    // SAFETY: as above, `PAD ≥ gch·L`.
+                    unsafe { zero_sums(s, d, &p[t0..t0 + n], gch, &mut zacc) };
                 }
             }
         }
-        // (One query's zero sums were taken with its weights above;
-        // several queries' are folded into the code vectors.)
-        if !fold && !perm {
-            // SAFETY: as above, `PAD ≥ gch·L`.
-            unsafe { zero_sums(s, d, &p[t0..t0 + n], gch, &mut zacc) };
+        if it == 0 {
+            continue;
         }
+        let (t0, k) = ((it - 1) * S::T, (it - 1) % 2);
+        let n = S::T.min(t_all - t0);
+        let ah = [
+            Ahead::new(codes, g.rb, t0),
+            Ahead::new(head.params().as_ptr(), pper, t0),
+        ];
+        let (wt, zt) = (
+            wbuf.s()[(k % 2) * slot..].as_ptr(),
+            zbuf.s()[(k % 2) * slot..].as_ptr(),
+        );
         // SAFETY: vectors `j < nch` of `acc` (`hdp` floats per query),
         // rows `t0..t0+n ≤ tokens` of `codes` (check_head), scales of
         // vectors `j < nch ≤ ne`, weights `t0..t0+n` of each query.
@@ -1731,8 +1828,8 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                             ah[1].token(tt);
                         }
                         let row = tile.add(tt * rb + jj0 * S::L);
-                        let w = wbuf.s().as_ptr().add(tt * ne + jj0);
-                        let zr = zbuf.s().as_ptr().add(tt * ne + jj0);
+                        let w = wt.add(tt * ne + jj0);
+                        let zr = zt.add(tt * ne + jj0);
                         let mut pb = [s.zero(); NQ];
                         if fold {
                             unroll8!(i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
@@ -1796,8 +1893,8 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                             ah[1].token(tt);
                         }
                         let row = tile.add(tt * rb);
-                        let w = wbuf.s().as_ptr().add(tt * ne);
-                        let zr = zbuf.s().as_ptr().add(tt * ne);
+                        let w = wt.add(tt * ne);
+                        let zr = zt.add(tt * ne);
                         let mut pb = [s.zero(); NQ];
                         if fold {
                             unroll!(i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
@@ -1823,7 +1920,6 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 }
             }
         }
-        t0 += n;
     }
     if nib {
         // Field `f` (channels `f·hd/F ..`) accumulated at `2^{B·f}`.
@@ -1837,8 +1933,15 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
             // SAFETY: `zs` holds 64 ≥ 4·L floats.
             unsafe { s.store(zs.as_mut_ptr().add(c * S::L), *z) };
         }
+        // The direct path summed `(scales, zeros)`: a symmetric zero is
+        // `−half·scale`.
+        let (zo, zk) = match (direct, tp.p.sym) {
+            (false, _) => (0, 1.0),
+            (true, false) => (gpr, 1.0),
+            (true, true) => (0, -tp.p.half),
+        };
         for (c, a) in acc[..g.hd].iter_mut().enumerate() {
-            *a += zs[c / cpg];
+            *a += zs[zo + c / cpg] * zk;
         }
     }
 }
