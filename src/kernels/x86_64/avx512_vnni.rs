@@ -14,7 +14,7 @@
 
 use super::tile::{self, Buf, Plan};
 use super::{Avx512, Simd};
-use crate::scheme::{Axis, Mode};
+use crate::scheme::{Axis, Mode, ScaleFormat};
 use crate::store::PackedHead;
 use core::arch::x86_64::*;
 
@@ -90,6 +90,27 @@ impl Avx512Vnni {
 /// # Safety
 /// The CPU has the enabled features; `check_head(head, out.len(),
 /// p.len())` passed and [`Avx512Vnni::takes_ws`] holds.
+/// The params of the lanes in `m` from `p` (stored as `fmt`), widened;
+/// the other lanes 0. Read straight from the stored bytes: a widened copy
+/// costs its stores and, for rows that straddle two of them, the loads
+/// that cannot be forwarded.
+///
+/// # Safety
+/// AVX-512F/BW/VL; the lanes in `m` are readable at `p`.
+#[inline(always)]
+unsafe fn masked_params(fmt: ScaleFormat, p: *const u8, m: __mmask16) -> __m512 {
+    // SAFETY: the caller's contract; masked-off lanes are not read.
+    unsafe {
+        match fmt {
+            ScaleFormat::F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p as *const i16)),
+            ScaleFormat::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p as *const i16)),
+            )),
+            ScaleFormat::F32 => _mm512_maskz_loadu_ps(m, p as *const f32),
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn entry_ws(s: Avx512Vnni, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let l = head.layout();
@@ -146,7 +167,8 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
     let sym = sch.mode() == Mode::Symmetric;
     let half = (1u32 << (B - 1)) as f32;
     let vals = if sym { gpr } else { 2 * gpr };
-    let pb_tok = vals * fmt.bytes();
+    let fb = fmt.bytes();
+    let pb_tok = vals * fb;
     let nq = out.len() / HD;
     // 64-byte chunks per row, fields per byte.
     let nv = HD * B as usize / 8 / 64;
@@ -160,15 +182,14 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
     }
     let codes = head.codes().as_ptr();
     let params = head.params();
-    let mut conv = Buf::new(16 * vals + 32);
     let mut wbuf = Buf::new(16 * 16);
     let mut facc = Buf::new(16 * 16 * 4);
     let mut zs = [0f32; 16];
     let mut lanes = [0i32; 16];
     // SAFETY: the features of `entry_ws`; every pointer below stays in its
     // buffer: rows `t0 + tt` with `tt < n` (or row `t0`) of `codes`
-    // (check_head), 64-byte chunks `v < nv` of a row, `conv` rows `tt < n`
-    // of `vals` floats (+16 lanes of padding for the masked loads), `wbuf`
+    // (check_head), 64-byte chunks `v < nv` of a row, the `gpr ≤ 16`
+    // unmasked params of rows `t0 + tt` with `tt < n` (check_head), `wbuf`
     // 16 rows of 16 floats, `facc` `4·nv·nf ≤ 16` vectors.
     unsafe {
         // Lane `4j + m` of code vectors of chunk `v`, field `f`: its group.
@@ -201,12 +222,6 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
                     tile::Ahead::new(codes, rb, t0),
                     tile::Ahead::new(params.as_ptr(), pb_tok, t0),
                 ];
-                tile::cvt_params(
-                    s,
-                    fmt,
-                    &params[t0 * pb_tok..(t0 + n) * pb_tok],
-                    &mut conv.m()[..n * vals],
-                );
                 // 1. Weights, their maxima, the zero sums.
                 let mut amax = s.zero();
                 for tt in 0..16 {
@@ -214,12 +229,12 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
                         ah[0].token(tt);
                         ah[1].token(tt);
                         let pb = s.bcast(pi.add(t0 + tt));
-                        let row = conv.s().as_ptr().add(tt * vals);
-                        let sc = _mm512_maskz_loadu_ps(gmask, row);
+                        let row = params.as_ptr().add((t0 + tt) * pb_tok);
+                        let sc = masked_params(fmt, row, gmask);
                         let ze = if sym {
                             s.mul(sc, s.splat(-half))
                         } else {
-                            _mm512_maskz_loadu_ps(gmask, row.add(gpr))
+                            masked_params(fmt, row.add(gpr * fb), gmask)
                         };
                         zacc = s.fma(ze, pb, zacc);
                         s.mul(sc, pb)
