@@ -500,15 +500,10 @@ unsafe fn kernel<const B: u8, const HD: usize>(
     let mut bias = vec![0f32; nq];
     let accbuf = Buf::new(nq * 16 * 16);
     let codes = head.codes().as_ptr();
-    // Prefetch as the exact kernels do: both streams spread over the
-    // tokens (the params as `set/gl` bytes per token), or per block.
-    let set = head.set_len() * l.scheme().param_bytes();
-    let spread = set.is_multiple_of(gl);
+    // Prefetch as the exact kernels do.
+    let pf = tile::BlockAhead::new(head, true);
     for k in 0..t_all.div_ceil(gl) {
-        if !spread {
-            let ahead = k + tile::PREFETCH_TOKENS.div_ceil(gl);
-            tile::prefetch(head.params().as_ptr().wrapping_add(ahead * set), set);
-        }
+        pf.block(k);
         tile::block_params(s, head, &p, HD, k, sc.m(), ze.m());
         for i in 0..nq {
             // SAFETY: `q` holds `HD` floats per query, `sc`/`ze` `HD`,
@@ -536,15 +531,7 @@ unsafe fn kernel<const B: u8, const HD: usize>(
         let mut t0 = k * gl;
         while t0 < t_end {
             let n = 16.min(t_end - t0);
-            let ah = if spread {
-                [
-                    tile::Ahead::new(codes, rb, t0),
-                    tile::Ahead::new(head.params().as_ptr(), set / gl, t0),
-                ]
-            } else {
-                tile::prefetch_ahead(codes, rb, t0, n);
-                [tile::Ahead::NONE; 2]
-            };
+            let ah = pf.tile(t0, n);
             // SAFETY: rows `t0..t0+n ≤ tokens` are in `codes` (check_head);
             // `qi` holds `HD` bytes per query and `accbuf` 16 vectors per
             // query; `nv ≤ 4`.

@@ -118,6 +118,62 @@ impl Ahead {
     }
 }
 
+/// The prefetch of a per-channel kernel, whose params come as one set per
+/// block of `gl` tokens: spread over the tokens like the codes (the params
+/// as `set/gl` bytes per token) when the set divides evenly and the kernel
+/// calls [`Ahead::token`], otherwise one set per block and each tile's
+/// codes as a burst.
+#[derive(Clone, Copy)]
+pub(super) struct BlockAhead {
+    codes: *const u8,
+    rb: usize,
+    params: *const u8,
+    set: usize,
+    gl: usize,
+    spread: bool,
+}
+
+impl BlockAhead {
+    /// For `head`; `per_token`: the kernel calls [`Ahead::token`].
+    #[inline(always)]
+    pub(super) fn new(head: &PackedHead<'_>, per_token: bool) -> BlockAhead {
+        let l = head.layout();
+        let (set, gl) = (head.set_len() * l.scheme().param_bytes(), l.group_len());
+        BlockAhead {
+            codes: head.codes().as_ptr(),
+            rb: l.row_bytes(),
+            params: head.params().as_ptr(),
+            set,
+            gl,
+            spread: per_token && set.is_multiple_of(gl),
+        }
+    }
+
+    /// At the start of block `k`.
+    #[inline(always)]
+    pub(super) fn block(&self, k: usize) {
+        if !self.spread {
+            let ahead = k + PREFETCH_TOKENS.div_ceil(self.gl);
+            prefetch(self.params.wrapping_add(ahead * self.set), self.set);
+        }
+    }
+
+    /// For the tile of `n` tokens at `t0`: the per-token streams, or
+    /// (after a burst of the codes) none.
+    #[inline(always)]
+    pub(super) fn tile(&self, t0: usize, n: usize) -> [Ahead; 2] {
+        if self.spread {
+            [
+                Ahead::new(self.codes, self.rb, t0),
+                Ahead::new(self.params, self.set / self.gl, t0),
+            ]
+        } else {
+            prefetch_ahead(self.codes, self.rb, t0, n);
+            [Ahead::NONE; 2]
+        }
+    }
+}
+
 /// A zeroed `f32` buffer whose start is 64-byte aligned (whole cache lines,
 /// so a 512-bit load never splits one).
 pub(super) struct Buf {
@@ -1095,18 +1151,13 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             let gl = head.layout().group_len();
             let (mut sc, mut ze, mut qs) = (Buf::new(hdp), Buf::new(hdp), Buf::new(nq * hdp));
             let mut bias = vec![0f32; nq];
-            let set = head.set_len() * head.layout().scheme().param_bytes();
             // 2- and 4-bit rows whose field vectors come from the same
             // bytes: one widening per byte vector (see `nibble_queries`).
             let nib = matches!(B, 2 | 4) && fused && (hd * B as usize / 8).is_multiple_of(S::L);
-            // The fused kernel spreads both streams' prefetch over the
-            // tokens (the params as `set/gl` bytes per token).
-            let spread = fused && set.is_multiple_of(gl);
+            // The fused kernel prefetches per token.
+            let pf = BlockAhead::new(head, fused);
             for k in 0..t_all.div_ceil(gl) {
-                if !spread {
-                    let ahead = k + PREFETCH_TOKENS.div_ceil(gl);
-                    prefetch(head.params().as_ptr().wrapping_add(ahead * set), set);
-                }
+                pf.block(k);
                 block_params(s, head, &p, hd, k, sc.m(), ze.m());
                 for (i, bias) in bias.iter_mut().enumerate() {
                     let mut b = s.zero();
@@ -1131,15 +1182,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                 while t0 < t_end {
                     let n = S::T.min(t_end - t0);
                     let rows = codes.wrapping_add(t0 * g.rb);
-                    let ah = if spread {
-                        [
-                            Ahead::new(codes, g.rb, t0),
-                            Ahead::new(head.params().as_ptr(), set / gl, t0),
-                        ]
-                    } else {
-                        prefetch_ahead(codes, g.rb, t0, n);
-                        [Ahead::NONE; 2]
-                    };
+                    let ah = pf.tile(t0, n);
                     for i in 0..nq {
                         // SAFETY: rows `t0..t0+n ≤ tokens` are in `codes`
                         // (check_head); the scratch holds `T` rows of `hdp`,
