@@ -87,9 +87,6 @@ impl Avx512Vnni {
     }
 }
 
-/// # Safety
-/// The CPU has the enabled features; `check_head(head, out.len(),
-/// p.len())` passed and [`Avx512Vnni::takes_ws`] holds.
 /// The params of the lanes in `m` from `p` (stored as `fmt`), widened;
 /// the other lanes 0. Read straight from the stored bytes: a widened copy
 /// costs its stores and, for rows that straddle two of them, the loads
@@ -111,6 +108,9 @@ unsafe fn masked_params(fmt: ScaleFormat, p: *const u8, m: __mmask16) -> __m512 
     }
 }
 
+/// # Safety
+/// The CPU has the enabled features; `check_head(head, out.len(),
+/// p.len())` passed and [`Avx512Vnni::takes_ws`] holds.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn entry_ws(s: Avx512Vnni, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let l = head.layout();

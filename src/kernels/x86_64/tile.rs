@@ -1751,7 +1751,6 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     // SAFETY: `fzv` holds `MAX_NCH` = 32 ≥ 2·L floats.
     let fz = unsafe { [s.load(fzv.as_ptr()), s.load(fzv.as_ptr().add(S::L))] };
     tp.spread = true;
-    let pper = tp.vals * tp.p.fmt.bytes();
     // One query with `f16` params whose scales and zeros fit one vector:
     // weights straight from the stored params ([`expand_scales_f16`]).
     let direct = !fold && perm && tp.p.fmt == ScaleFormat::F16 && (tp.p.sym || 2 * gpr <= S::L);
@@ -1830,14 +1829,14 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
         }
         let (t0, k) = ((it - 1) * S::T, (it - 1) % 2);
         let n = S::T.min(t_all - t0);
-        let ah = [
-            Ahead::new(codes, g.rb, t0),
-            Ahead::new(head.params().as_ptr(), pper, t0),
-        ];
-        let (wt, zt) = (
-            wbuf.s()[(k % 2) * slot..].as_ptr(),
-            zbuf.s()[(k % 2) * slot..].as_ptr(),
-        );
+        let ah = tp.ahead(head, t0);
+        // SAFETY: slot `k < 2`, as above.
+        let (wt, zt) = unsafe {
+            (
+                wp.add(k * slot) as *const f32,
+                zp.add(k * slot) as *const f32,
+            )
+        };
         // SAFETY: vectors `j < nch` of `acc` (`hdp` floats per query),
         // rows `t0..t0+n ≤ tokens` of `codes` (check_head), scales of
         // vectors `j < nch ≤ ne`, weights `t0..t0+n` of each query.
