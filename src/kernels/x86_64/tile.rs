@@ -45,21 +45,34 @@ macro_rules! unroll8 {
 /// `docs/PERFORMANCE.md`).
 pub(super) const PREFETCH_TOKENS: usize = 64;
 
+/// How far ahead the dense baselines ask for their rows, into L2
+/// (`prefetcht1`). The dense kernels' compute per byte is light, so they
+/// need more bytes in flight than the packed ones: on the AMD EPYC (Zen 4)
+/// development VM this is ≈1.2x faster than [`PREFETCH_TOKENS`] into L1,
+/// and on the earlier Ice Lake VM an L2 hint and twice the distance each
+/// measured the same as before (`docs/PERFORMANCE.md`, session 9). A
+/// baseline that streams slower than it could would flatter the packed
+/// kernels.
+pub(super) const DENSE_PREFETCH_TOKENS: usize = 128;
+
 /// Hint the cache lines covering `len` bytes from `p` into L1/L2.
 ///
 /// A prefetch never faults, so `p` may point anywhere (the address is
 /// formed with `wrapping_add` and only used as a hint).
 #[inline(always)]
 pub(super) fn prefetch(p: *const u8, len: usize) {
+    prefetch_to::<{ core::arch::x86_64::_MM_HINT_T0 }>(p, len);
+}
+
+/// [`prefetch`] with the hint `H` (`_MM_HINT_T0` into L1, `_MM_HINT_T1`
+/// into L2).
+#[inline(always)]
+fn prefetch_to<const H: i32>(p: *const u8, len: usize) {
     let mut o = 0;
     while o < len + 63 {
-        // SAFETY: `prefetcht0` is a hint: it reads nothing into the program
+        // SAFETY: a prefetch is a hint: it reads nothing into the program
         // and never faults, whatever the address (SSE, baseline on x86-64).
-        unsafe {
-            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(o) as *const i8,
-            )
-        };
+        unsafe { core::arch::x86_64::_mm_prefetch::<H>(p.wrapping_add(o) as *const i8) };
         o += 64;
     }
 }
@@ -103,16 +116,18 @@ impl Ahead {
     /// asks for its line again, which costs one load slot).
     #[inline(always)]
     pub(super) fn token(self, tt: usize) {
+        self.token_to::<{ core::arch::x86_64::_MM_HINT_T0 }>(tt);
+    }
+
+    /// [`Ahead::token`] with the hint `H`.
+    #[inline(always)]
+    fn token_to<const H: i32>(self, tt: usize) {
         let a = self.p.wrapping_add(tt * self.per);
         let mut o = 0;
         while o < self.per {
-            // SAFETY: `prefetcht0` is a hint: it reads nothing into the
+            // SAFETY: a prefetch is a hint: it reads nothing into the
             // program and never faults, whatever the address.
-            unsafe {
-                core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
-                    a.wrapping_add(o) as *const i8,
-                )
-            };
+            unsafe { core::arch::x86_64::_mm_prefetch::<H>(a.wrapping_add(o) as *const i8) };
             o += 64;
         }
     }
@@ -2023,20 +2038,31 @@ impl DenseElem for f16 {
     }
 }
 
-/// The prefetch of the dense tile at `t0` ([`PREFETCH_TOKENS`] ahead),
-/// spread over its `full` column steps when the tile's bytes split into
-/// whole lines per step; otherwise issued here at once.
+/// The prefetch of the dense tile at `t0` ([`DENSE_PREFETCH_TOKENS`]
+/// ahead, into L2), spread over its `full` column steps
+/// ([`Ahead::dense_step`]) when the tile's bytes split into whole lines
+/// per step; otherwise issued here at once.
 #[inline(always)]
 fn dense_ahead<S: Simd>(base: *const u8, row: usize, full: usize, t0: usize) -> Ahead {
     let bytes = S::T * row;
+    let p = base.wrapping_add((t0 + DENSE_PREFETCH_TOKENS) * row);
     if full > 0 && bytes.is_multiple_of(full) && (bytes / full).is_multiple_of(64) {
         Ahead {
-            p: base.wrapping_add((t0 + PREFETCH_TOKENS) * row),
+            p,
             per: bytes / full,
         }
     } else {
-        prefetch_ahead(base, row, t0, S::T);
+        prefetch_to::<{ core::arch::x86_64::_MM_HINT_T1 }>(p, bytes);
         Ahead::NONE
+    }
+}
+
+impl Ahead {
+    /// Column step `j` of a dense tile ([`dense_ahead`]): its share of the
+    /// tile's lines, into L2.
+    #[inline(always)]
+    fn dense_step(self, j: usize) {
+        self.token_to::<{ core::arch::x86_64::_MM_HINT_T1 }>(j);
     }
 }
 
@@ -2073,7 +2099,7 @@ pub(super) fn dense_scores<S: Simd, E: DenseElem>(
             let mut acc = [s.zero(); 16];
             for j in 0..full {
                 if i == 0 {
-                    ah.token(j);
+                    ah.dense_step(j);
                 }
                 // SAFETY: rows `t0..t0+T ≤ tokens` of `k`; elements
                 // `j·L..j·L+L ≤ hd` of each row and of `qi`.
@@ -2150,7 +2176,7 @@ pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(
             }
             for j in 0..full {
                 if i == 0 {
-                    ah.token(j);
+                    ah.dense_step(j);
                 }
                 // SAFETY: rows `t0..t0+T ≤ tokens` of `v`; elements
                 // `j·L..j·L+L ≤ hd` of each row and of `oi`.
