@@ -187,7 +187,7 @@ pub fn bytes_of(name: &str, ctx: usize, hd: usize) -> usize {
 }
 
 /// Rotate over copies of the layer until they add up to 1 GiB (this
-/// machine's last-level cache is 48 MiB), so every call streams from DRAM,
+/// development VMs' last-level caches are 32–48 MiB), so every call streams from DRAM,
 /// as a many-layer model's cache does.
 pub const COLD_BYTES: usize = 1 << 30;
 
