@@ -476,6 +476,51 @@ unsafe fn quantize_query<const HD: usize>(
     }
 }
 
+/// [`quantize_query`] and the bias `q·zero` of one block in one pass,
+/// straight from its stored `f16` params at `src` (`HD` scales, then `HD`
+/// zeros unless symmetric): the same products, maximum, rounding and bias
+/// sum, in the same order, as [`tile::block_params`], [`quantize_query`]
+/// and the bias loop of [`kernel`]. Returns `(δ, bias)`.
+///
+/// # Safety
+/// `q` valid for `HD` floats, `src` for the block's params, `qi` for `HD`
+/// bytes; `HD ≤ 256`; the features of [`entry`].
+#[inline(always)]
+unsafe fn quantize_query_f16<const HD: usize>(
+    s: Avx512,
+    q: *const f32,
+    src: *const u8,
+    p: &Plan,
+    qi: *mut i8,
+) -> (f32, f32) {
+    let mut x = [s.zero(); 16];
+    let (mut m, mut b) = (s.zero(), s.zero());
+    // SAFETY: the caller's contract; vectors `j < HD/16 ≤ 16`.
+    unsafe {
+        for (j, x) in x.iter_mut().enumerate().take(HD / 16) {
+            let sc = s.load_f16(src.add(32 * j));
+            let ze = if p.sym() {
+                s.mul(sc, s.splat(-p.half()))
+            } else {
+                s.load_f16(src.add(2 * HD + 32 * j))
+            };
+            let qv = s.load(q.add(16 * j));
+            *x = s.mul(qv, sc);
+            m = s.max(m, _mm512_abs_ps(*x));
+            b = s.fma(qv, ze, b);
+        }
+        let delta = s.hmax(m) / 127.0;
+        let inv = if delta > 0.0 { 1.0 / delta } else { 0.0 };
+        for (j, x) in x.iter().enumerate().take(HD / 16) {
+            _mm_storeu_si128(
+                qi.add(16 * j) as *mut __m128i,
+                _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(s.mul(*x, s.splat(inv)))),
+            );
+        }
+        (delta, s.hsum(b))
+    }
+}
+
 /// # Safety
 /// As [`entry`], with `HD` the head dimension.
 #[inline(always)]
@@ -502,29 +547,50 @@ unsafe fn kernel<const B: u8, const HD: usize>(
     let codes = head.codes().as_ptr();
     // Prefetch as the exact kernels do.
     let pf = tile::BlockAhead::new(head, true);
+    // `f16` params: each block's int8 queries and biases straight from
+    // the stored bytes, in registers.
+    let direct = p.fmt() == ScaleFormat::F16;
+    let set = HD * 2 * if p.sym() { 1 } else { 2 };
     for k in 0..t_all.div_ceil(gl) {
         pf.block(k);
-        tile::block_params(s, head, &p, HD, k, sc.m(), ze.m());
-        for i in 0..nq {
-            // SAFETY: `q` holds `HD` floats per query, `sc`/`ze` `HD`,
-            // `qi` `HD` bytes per query.
-            unsafe {
-                delta[i] = quantize_query::<HD>(
-                    s,
-                    q.as_ptr().add(i * HD),
-                    sc.s().as_ptr(),
-                    qi.as_mut_ptr().add(i * HD),
-                );
-                // The bias with the same vector dot as the exact kernel.
-                let mut b = s.zero();
-                for j in 0..HD / 16 {
-                    b = s.fma(
-                        s.load(q.as_ptr().add(i * HD + j * 16)),
-                        s.load(ze.s().as_ptr().add(j * 16)),
-                        b,
+        if direct {
+            let src = &head.params()[k * set..(k + 1) * set];
+            for i in 0..nq {
+                // SAFETY: `src` holds the block's `set` bytes, `q` `HD`
+                // floats per query, `qi` `HD` bytes per query.
+                unsafe {
+                    (delta[i], bias[i]) = quantize_query_f16::<HD>(
+                        s,
+                        q.as_ptr().add(i * HD),
+                        src.as_ptr(),
+                        &p,
+                        qi.as_mut_ptr().add(i * HD),
                     );
                 }
-                bias[i] = s.hsum(b);
+            }
+        } else {
+            tile::block_params(s, head, &p, HD, k, sc.m(), ze.m());
+            for i in 0..nq {
+                // SAFETY: `q` holds `HD` floats per query, `sc`/`ze` `HD`,
+                // `qi` `HD` bytes per query.
+                unsafe {
+                    delta[i] = quantize_query::<HD>(
+                        s,
+                        q.as_ptr().add(i * HD),
+                        sc.s().as_ptr(),
+                        qi.as_mut_ptr().add(i * HD),
+                    );
+                    // The bias with the same vector dot as the exact kernel.
+                    let mut b = s.zero();
+                    for j in 0..HD / 16 {
+                        b = s.fma(
+                            s.load(q.as_ptr().add(i * HD + j * 16)),
+                            s.load(ze.s().as_ptr().add(j * 16)),
+                            b,
+                        );
+                    }
+                    bias[i] = s.hsum(b);
+                }
             }
         }
         let t_end = ((k + 1) * gl).min(t_all);

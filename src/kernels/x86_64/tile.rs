@@ -972,6 +972,24 @@ pub(super) struct Plan {
 }
 
 impl Plan {
+    /// The params' stored format.
+    #[inline(always)]
+    pub(super) fn fmt(&self) -> ScaleFormat {
+        self.fmt
+    }
+
+    /// Symmetric groups (no stored zeros).
+    #[inline(always)]
+    pub(super) fn sym(&self) -> bool {
+        self.sym
+    }
+
+    /// `2^(bits-1)`: a symmetric group's implied zero is `-scale·half`.
+    #[inline(always)]
+    pub(super) fn half(&self) -> f32 {
+        self.half
+    }
+
     #[inline(always)]
     pub(super) fn new(head: &PackedHead<'_>) -> Plan {
         let sc = head.layout().scheme();
@@ -1129,6 +1147,76 @@ pub(super) fn block_params<S: Simd>(
     }
 }
 
+/// A per-channel block's folded queries `qs_i = q_i·scale` (rewritten by
+/// [`nibble_queries`] for `nib` = `Some(bits)`, 2 or 4) and biases `q_i·zero`,
+/// straight from the block's stored `f16` params at `src` (scales, then
+/// zeros unless symmetric): the same products and sums, in the same order,
+/// as [`block_params`], the bias loop and [`nibble_queries`] (with `nib`
+/// = `Some(bits)`), without the
+/// widened copies in between.
+///
+/// # Safety
+/// `src` valid for the block's `nch·L` scales (and as many zeros unless
+/// symmetric) as `f16`; `qp` and `qs` for `bias.len()` queries of `hdp ≥
+/// nch·L` floats; `nch ≤ MAX_NCH`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn block_queries_f16<S: Simd>(
+    s: S,
+    src: *const u8,
+    p: &Plan,
+    nch: usize,
+    qp: *const f32,
+    hdp: usize,
+    qs: *mut f32,
+    bias: &mut [f32],
+    nib: Option<u32>,
+) {
+    let hd = nch * S::L;
+    for (i, bias) in bias.iter_mut().enumerate() {
+        let mut x = [s.zero(); MAX_NCH];
+        let mut b = s.zero();
+        // SAFETY: the caller's contract; vectors `j < nch`.
+        unsafe {
+            unroll!(j in 0, nch => {
+                let sc = s.load_f16(src.add(j * S::L * 2));
+                let ze = if p.sym {
+                    s.mul(sc, s.splat(-p.half))
+                } else {
+                    s.load_f16(src.add((hd + j * S::L) * 2))
+                };
+                let qv = s.load(qp.add(i * hdp + j * S::L));
+                x[j] = s.mul(qv, sc);
+                b = s.fma(qv, ze, b);
+            });
+        }
+        *bias = s.hsum(b);
+        if let Some(bits) = nib {
+            // As `nibble_queries`: scale field `f` by 2^−bits·f, then
+            // subtract the next field.
+            let nf = (8 / bits) as usize;
+            let h = nch / nf;
+            for f in 1..nf {
+                let k = s.splat(1.0 / (1u32 << (bits as usize * f)) as f32);
+                for v in &mut x[f * h..(f + 1) * h] {
+                    *v = s.mul(*v, k);
+                }
+            }
+            for f in 0..nf - 1 {
+                for jj in 0..h {
+                    x[f * h + jj] = s.sub(x[f * h + jj], x[(f + 1) * h + jj]);
+                }
+            }
+        }
+        // SAFETY: vectors `j < nch` of query `i` of `qs`.
+        unsafe {
+            unroll!(j in 0, nch => {
+                s.store(qs.add(i * hdp + j * S::L), x[j]);
+            });
+        }
+    }
+}
+
 /// Packed scores: `out[i·tokens + t] = q_i · k̂_t`.
 ///
 /// Per-channel keys: the block's scales are folded into the queries
@@ -1181,25 +1269,48 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             let nib = matches!(B, 2 | 4) && fused && (hd * B as usize / 8).is_multiple_of(S::L);
             // The fused kernel prefetches per token.
             let pf = BlockAhead::new(head, fused);
+            // `f16` params and whole vectors: each block's folded queries
+            // and biases straight from the stored bytes, in registers.
+            let direct = p.fmt == ScaleFormat::F16 && hd == hdp;
+            let set = hd * 2 * if p.sym { 1 } else { 2 };
             for k in 0..t_all.div_ceil(gl) {
                 pf.block(k);
-                block_params(s, head, &p, hd, k, sc.m(), ze.m());
-                for (i, bias) in bias.iter_mut().enumerate() {
-                    let mut b = s.zero();
-                    for j in 0..g.nch {
-                        let o = i * hdp + j * S::L;
-                        // SAFETY: vector `j < nch` of buffers of `hdp`
-                        // floats per query (`qp`, `qs`) or of `hdp` (`sc`, `ze`).
-                        unsafe {
-                            let qv = s.load(qp.s().as_ptr().add(o));
-                            let sv = s.load(sc.s().as_ptr().add(j * S::L));
-                            s.store(qs.m().as_mut_ptr().add(o), s.mul(qv, sv));
-                            b = s.fma(qv, s.load(ze.s().as_ptr().add(j * S::L)), b);
+                if direct {
+                    let src = &head.params()[k * set..(k + 1) * set];
+                    // SAFETY: `src` holds the block's `set` bytes; `qp`/`qs`
+                    // `hdp = nch·L` floats per query, `bias` `nq` floats.
+                    unsafe {
+                        block_queries_f16(
+                            s,
+                            src.as_ptr(),
+                            &p,
+                            g.nch,
+                            qp.s().as_ptr(),
+                            hdp,
+                            qs.m().as_mut_ptr(),
+                            &mut bias,
+                            nib.then_some(B as u32),
+                        )
+                    };
+                } else {
+                    block_params(s, head, &p, hd, k, sc.m(), ze.m());
+                    for (i, bias) in bias.iter_mut().enumerate() {
+                        let mut b = s.zero();
+                        for j in 0..g.nch {
+                            let o = i * hdp + j * S::L;
+                            // SAFETY: vector `j < nch` of buffers of `hdp`
+                            // floats per query (`qp`, `qs`) or of `hdp` (`sc`, `ze`).
+                            unsafe {
+                                let qv = s.load(qp.s().as_ptr().add(o));
+                                let sv = s.load(sc.s().as_ptr().add(j * S::L));
+                                s.store(qs.m().as_mut_ptr().add(o), s.mul(qv, sv));
+                                b = s.fma(qv, s.load(ze.s().as_ptr().add(j * S::L)), b);
+                            }
                         }
+                        *bias = s.hsum(b);
                     }
-                    *bias = s.hsum(b);
                 }
-                if nib {
+                if nib && !direct {
                     nibble_queries(qs.m(), nq, hd, hdp, B as u32);
                 }
                 let t_end = ((k + 1) * gl).min(t_all);
