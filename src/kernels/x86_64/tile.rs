@@ -704,7 +704,41 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
             q1[j] = unsafe { s.load(q.add(j * S::L)) };
         });
     }
-    for tt in 0..n {
+    // Several queries: two tokens at a time when both rows fit the
+    // registers, so each query vector loaded serves two tokens (on Zen 4
+    // one 512-bit load per cycle bound the one-token loop).
+    let pairs = nq > 1 && 2 * g.nch + 6 <= S::REGS;
+    let mut tt = 0;
+    while tt < n {
+        if pairs && tt + 1 < n {
+            for u in tt..tt + 2 {
+                ah[0].token(u);
+                ah[1].token(u);
+            }
+            // SAFETY: the caller's contract; rows `tt, tt+1 < n`, vectors
+            // `j < nch`, queries `i < nq`.
+            unsafe {
+                let (ra, rb) = (rows.add(tt * g.rb), rows.add((tt + 1) * g.rb));
+                let (mut xa, mut xb) = ([s.zero(); MAX_NCH], [s.zero(); MAX_NCH]);
+                unroll!(j in 0, g.nch => {
+                    xa[j] = row_vec::<S, B, D, NIB>(s, g, d, ra, tt, j);
+                    xb[j] = row_vec::<S, B, D, NIB>(s, g, d, rb, tt + 1, j);
+                });
+                for i in 0..nq {
+                    let qi = q.add(i * g.hdp);
+                    let (mut a, mut b) = ([s.zero(); 2], [s.zero(); 2]);
+                    unroll!(j in 0, g.nch => {
+                        let qv = s.load(qi.add(j * S::L));
+                        a[j % 2] = s.fma(xa[j], qv, a[j % 2]);
+                        b[j % 2] = s.fma(xb[j], qv, b[j % 2]);
+                    });
+                    s.store(accbuf.add((i * S::T + tt) * S::L), s.add(a[0], a[1]));
+                    s.store(accbuf.add((i * S::T + tt + 1) * S::L), s.add(b[0], b[1]));
+                }
+            }
+            tt += 2;
+            continue;
+        }
         ah[0].token(tt);
         ah[1].token(tt);
         // SAFETY: the caller's contract; vectors `j < nch`, queries `i < nq`.
@@ -732,6 +766,7 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
                 }
             }
         }
+        tt += 1;
     }
     for i in 0..nq {
         for tt in n..S::T {
