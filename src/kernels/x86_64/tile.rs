@@ -1306,7 +1306,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             let pf = BlockAhead::new(head, fused);
             // `f16` params and whole vectors: each block's folded queries
             // and biases straight from the stored bytes, in registers.
-            let direct = p.fmt == ScaleFormat::F16 && hd == hdp;
+            let direct = p.fmt == ScaleFormat::F16 && hd == hdp && g.nch <= MAX_NCH;
             let set = hd * 2 * if p.sym { 1 } else { 2 };
             for k in 0..t_all.div_ceil(gl) {
                 pf.block(k);
