@@ -1182,13 +1182,12 @@ pub(super) fn block_params<S: Simd>(
     }
 }
 
-/// A per-channel block's folded queries `qs_i = q_i·scale` (rewritten by
-/// [`nibble_queries`] for `nib` = `Some(bits)`, 2 or 4) and biases `q_i·zero`,
-/// straight from the block's stored `f16` params at `src` (scales, then
-/// zeros unless symmetric): the same products and sums, in the same order,
-/// as [`block_params`], the bias loop and [`nibble_queries`] (with `nib`
-/// = `Some(bits)`), without the
-/// widened copies in between.
+/// A per-channel block's folded queries `qs_i = q_i·scale` (rewritten as
+/// [`nibble_queries`] does for `nib` = `Some(bits)`, 2 or 4) and biases
+/// `q_i·zero`, straight from the block's stored `f16` params at `src`
+/// (scales, then zeros unless symmetric): the same products and sums, in
+/// the same order, as [`block_params`], the bias loop and
+/// [`nibble_queries`], without the widened copies in between.
 ///
 /// # Safety
 /// `src` valid for the block's `nch·L` scales (and as many zeros unless
