@@ -275,6 +275,28 @@ fn odd_head_dims_and_all_groups() {
     }
 }
 
+/// Head dims past the kernels' compile-time shapes and register budgets
+/// (the run-time path, more vectors per row than any unrolled loop).
+#[test]
+fn wide_head_dims() {
+    let mut rng = Rng(11);
+    for hd in [520, 1024] {
+        for bits in [2, 4, 8] {
+            for (axis, group) in [
+                (Axis::PerToken, Group::Size(8)),
+                (Axis::PerChannel, Group::Size(32)),
+            ] {
+                for mode in MODES {
+                    if let Some(s) = scheme(bits, axis, group, mode, ScaleFormat::F16) {
+                        let nq = 1 + rng.below(2);
+                        run_case(&mut rng, s, hd, 40, nq, Data::Uniform);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Long contexts (1023 tokens: many tiles, a partial last tile and block).
 #[test]
 fn long_context() {
