@@ -7,7 +7,21 @@
 //! cargo bench --bench paired -- 4b 8b         # only cases whose name contains 4b or 8b
 //! KVQ_PAIRED_ROUNDS=200 cargo bench --bench paired
 //! KVQ_BENCH_FULL=1 cargo bench --bench paired # + ctx 131072
+//! KVQ_PAIRED_THREADS=1 KVQ_PAIRED_NQ=1 cargo bench --bench paired -- 4b dram
+//! KVQ_PAIRED_CTX=16384 KVQ_PAIRED_RESIDENT=1 cargo bench --bench paired -- 4b
 //! ```
+//!
+//! - `KVQ_PAIRED_CTX`: the context lengths (comma-separated), instead of
+//!   32768 (and 131072 with `KVQ_BENCH_FULL=1`).
+//! - `KVQ_PAIRED_NQ`: the query heads per KV head (default `1,4`).
+//! - `KVQ_PAIRED_THREADS`: the threads the 8 heads are split across
+//!   (default 2; 1 measures what one core streams).
+//! - `KVQ_PAIRED_RESIDENT=1`: one copy of each layer instead of 1 GiB of
+//!   them, so a layer that fits the last-level cache is read from there
+//!   rather than from DRAM.
+//!
+//! `docs/PERFORMANCE.md` (session 11) uses these to ask whether the 4-bit
+//! path is bound by its arithmetic or by how it streams memory.
 //!
 //! Why a second harness: criterion measures one case for a few seconds,
 //! then the next. On a shared host whose speed drifts by tens of percent
@@ -30,7 +44,7 @@
 
 mod common;
 
-use common::{attend, bytes_of, cold_copies, data, layer_cases, Layer, N_KV};
+use common::{attend_threads, bytes_of, cold_copies, data, layer_cases, Layer, N_KV, THREADS};
 use kvq::Backend;
 use std::hint::black_box;
 use std::time::Instant;
@@ -61,21 +75,54 @@ fn main() {
         name == BASELINE || filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
     };
     let full = std::env::var("KVQ_BENCH_FULL").is_ok_and(|v| v == "1");
-    let ctxs: &[usize] = if full { &[32768, 131072] } else { &[32768] };
+    let nqs: Vec<usize> = match std::env::var("KVQ_PAIRED_NQ") {
+        Ok(v) => v
+            .split(',')
+            .map(|n| {
+                n.trim()
+                    .parse()
+                    .expect("KVQ_PAIRED_NQ: query heads per KV head, e.g. 1,4")
+            })
+            .collect(),
+        Err(_) => vec![1, 4],
+    };
+    let threads: usize = std::env::var("KVQ_PAIRED_THREADS")
+        .map(|v| v.parse().expect("KVQ_PAIRED_THREADS: 1, 2, 4 or 8"))
+        .unwrap_or(THREADS);
+    let resident = std::env::var("KVQ_PAIRED_RESIDENT").is_ok_and(|v| v == "1");
+    let ctxs: Vec<usize> = match std::env::var("KVQ_PAIRED_CTX") {
+        Ok(v) => v
+            .split(',')
+            .map(|c| {
+                c.trim()
+                    .parse()
+                    .expect("KVQ_PAIRED_CTX: context lengths, e.g. 8192,32768")
+            })
+            .collect(),
+        Err(_) if full => vec![32768, 131072],
+        Err(_) => vec![32768],
+    };
     let (hd, be, warm, rounds) = (128, Backend::detect(), 3, rounds());
-    for &ctx in ctxs {
+    for &ctx in &ctxs {
         let kx = data(ctx * N_KV * hd, 11);
         let vx = data(ctx * N_KV * hd, 12);
         let cases: Vec<(String, Vec<Layer>)> = layer_cases(be, hd, ctx, &kx, &vx)
             .into_iter()
             .filter(|(name, _)| keep(name))
-            .map(|(name, make)| (name, cold_copies(make())))
+            .map(|(name, make)| {
+                let layers = if resident {
+                    vec![make()]
+                } else {
+                    cold_copies(make())
+                };
+                (name, layers)
+            })
             .collect();
         let base = cases
             .iter()
             .position(|(n, _)| n == BASELINE)
             .expect("the f16 baseline is always a case");
-        for nq in [1, 4] {
+        for &nq in &nqs {
             let q = data(N_KV * nq * hd, 13);
             let mut out = vec![0f32; N_KV * nq * hd];
             let mut times = vec![Vec::with_capacity(rounds); cases.len()];
@@ -85,7 +132,7 @@ fn main() {
                     let layers = &cases[c].1;
                     let layer = &layers[r % layers.len()];
                     let t = Instant::now();
-                    attend(layer, be, hd, ctx, black_box(&q), &mut out);
+                    attend_threads(layer, be, hd, ctx, black_box(&q), &mut out, threads);
                     let ms = t.elapsed().as_secs_f64() * 1e3;
                     if r >= warm {
                         times[c].push(ms);
@@ -94,8 +141,13 @@ fn main() {
             }
             println!(
                 "\nattend/hd{hd}/q{nq}, ctx {ctx}, {} backend, {rounds} rounds \
-                 (+{warm} warm-up), 2 threads, 1 GiB rotated per case",
-                be.name()
+                 (+{warm} warm-up), {threads} thread(s), {}",
+                be.name(),
+                if resident {
+                    "one copy per case (resident when it fits the caches)"
+                } else {
+                    "1 GiB rotated per case"
+                }
             );
             println!(
                 "| case | min ms | median ms | GB/s at median | f16 ÷ case, median of rounds | p25–p75 | f16 min ÷ case min |"

@@ -142,10 +142,28 @@ impl Layer {
 
 /// One decode step over all heads, heads split across `THREADS` threads.
 pub fn attend(layer: &Layer, be: Backend, hd: usize, ctx: usize, q: &[f32], out: &mut [f32]) {
+    attend_threads(layer, be, hd, ctx, q, out, THREADS);
+}
+
+/// [`attend`] with the heads split across `threads` threads (a divisor of
+/// [`N_KV`]).
+pub fn attend_threads(
+    layer: &Layer,
+    be: Backend,
+    hd: usize,
+    ctx: usize,
+    q: &[f32],
+    out: &mut [f32],
+    threads: usize,
+) {
+    assert!(
+        threads > 0 && N_KV.is_multiple_of(threads),
+        "threads must divide the {N_KV} KV heads"
+    );
     let per = q.len() / N_KV; // nq·hd per KV head
     let nq = per / hd;
     std::thread::scope(|sc| {
-        let heads_per = N_KV / THREADS;
+        let heads_per = N_KV / threads;
         for (ti, (qc, oc)) in q
             .chunks(per * heads_per)
             .zip(out.chunks_mut(per * heads_per))
