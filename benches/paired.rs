@@ -65,6 +65,20 @@ fn quantile(v: &mut [f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
+/// The comma-separated numbers in the environment variable `name`, if set.
+fn env_list(name: &str) -> Option<Vec<usize>> {
+    let v = std::env::var(name).ok()?;
+    Some(
+        v.split(',')
+            .map(|x| {
+                x.trim()
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{name}: comma-separated numbers, not {v:?}"))
+            })
+            .collect(),
+    )
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; other arguments filter the cases.
     let filters: Vec<String> = std::env::args()
@@ -75,33 +89,18 @@ fn main() {
         name == BASELINE || filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
     };
     let full = std::env::var("KVQ_BENCH_FULL").is_ok_and(|v| v == "1");
-    let nqs: Vec<usize> = match std::env::var("KVQ_PAIRED_NQ") {
-        Ok(v) => v
-            .split(',')
-            .map(|n| {
-                n.trim()
-                    .parse()
-                    .expect("KVQ_PAIRED_NQ: query heads per KV head, e.g. 1,4")
-            })
-            .collect(),
-        Err(_) => vec![1, 4],
-    };
+    let nqs = env_list("KVQ_PAIRED_NQ").unwrap_or_else(|| vec![1, 4]);
     let threads: usize = std::env::var("KVQ_PAIRED_THREADS")
         .map(|v| v.parse().expect("KVQ_PAIRED_THREADS: 1, 2, 4 or 8"))
         .unwrap_or(THREADS);
     let resident = std::env::var("KVQ_PAIRED_RESIDENT").is_ok_and(|v| v == "1");
-    let ctxs: Vec<usize> = match std::env::var("KVQ_PAIRED_CTX") {
-        Ok(v) => v
-            .split(',')
-            .map(|c| {
-                c.trim()
-                    .parse()
-                    .expect("KVQ_PAIRED_CTX: context lengths, e.g. 8192,32768")
-            })
-            .collect(),
-        Err(_) if full => vec![32768, 131072],
-        Err(_) => vec![32768],
-    };
+    let ctxs = env_list("KVQ_PAIRED_CTX").unwrap_or_else(|| {
+        if full {
+            vec![32768, 131072]
+        } else {
+            vec![32768]
+        }
+    });
     let (hd, be, warm, rounds) = (128, Backend::detect(), 3, rounds());
     for &ctx in &ctxs {
         let kx = data(ctx * N_KV * hd, 11);
