@@ -1034,21 +1034,9 @@ impl LayerCache {
         } else if threads > 1 && n_kv > 1 {
             let t = threads.min(n_kv);
             let chunk = n_kv.div_ceil(t);
-            std::thread::scope(|sc| {
-                for (ci, block) in tmp.chunks_mut(chunk * per_head).enumerate() {
-                    let gather = &gather;
-                    sc.spawn(move || {
-                        for (k, dst) in block.chunks_mut(per_head).enumerate() {
-                            self.head_attention(
-                                ci * chunk + k,
-                                &gather(ci * chunk + k),
-                                n,
-                                r,
-                                window,
-                                dst,
-                            );
-                        }
-                    });
+            fan_out(tmp.chunks_mut(chunk * per_head), |ci, block| {
+                for (k, dst) in block.chunks_mut(per_head).enumerate() {
+                    self.head_attention(ci * chunk + k, &gather(ci * chunk + k), n, r, window, dst);
                 }
             });
         } else {
@@ -1103,28 +1091,23 @@ impl LayerCache {
         let qs: Vec<Vec<f32>> = (0..n_kv).map(gather).collect();
         // Partials per (head, chunk): max, sum, unnormalized output.
         let mut parts: Vec<Partial> = (0..n_kv * chunks).map(|_| Partial::new(r, hd)).collect();
-        std::thread::scope(|sc| {
-            let per = parts.len().div_ceil(threads);
-            for (ti, block) in parts.chunks_mut(per).enumerate() {
-                let (qs, edges) = (&qs, &edges);
-                sc.spawn(move || {
-                    let mut scratch = AttnScratch::default();
-                    for (k, part) in block.iter_mut().enumerate() {
-                        let idx = ti * per + k;
-                        let (h, c) = (idx / chunks, idx % chunks);
-                        let vis = vec![(lo, len); r];
-                        self.partial(
-                            h,
-                            &qs[h],
-                            r,
-                            edges[c],
-                            edges[c + 1],
-                            &vis,
-                            part,
-                            &mut scratch,
-                        );
-                    }
-                });
+        let per = parts.len().div_ceil(threads);
+        fan_out(parts.chunks_mut(per), |ti, block| {
+            let mut scratch = AttnScratch::default();
+            for (k, part) in block.iter_mut().enumerate() {
+                let idx = ti * per + k;
+                let (h, c) = (idx / chunks, idx % chunks);
+                let vis = vec![(lo, len); r];
+                self.partial(
+                    h,
+                    &qs[h],
+                    r,
+                    edges[c],
+                    edges[c + 1],
+                    &vis,
+                    part,
+                    &mut scratch,
+                );
             }
         });
         for h in 0..n_kv {
@@ -1383,6 +1366,25 @@ enum SectionData<'a> {
 
 /// Work (`len · positions · kv heads`) below which `attend` stays on one thread.
 const PARALLEL_MIN_WORK: usize = 16 * 1024;
+
+/// `work(i, item)` for every item: the first on the calling thread, the
+/// others on scoped threads spawned before it starts. One spawn fewer per
+/// call than spawning them all. A spawn and join cost tens of µs on the
+/// development VM, against a 1–2 ms decode step
+/// (`docs/PERFORMANCE.md`, session 11).
+fn fan_out<T: Send>(items: impl IntoIterator<Item = T>, work: impl Fn(usize, T) + Sync) {
+    let mut items = items.into_iter().enumerate();
+    let Some((i0, first)) = items.next() else {
+        return;
+    };
+    std::thread::scope(|sc| {
+        for (i, item) in items {
+            let work = &work;
+            sc.spawn(move || work(i, item));
+        }
+        work(i0, first);
+    });
+}
 /// Query rows (positions × query heads) scored at once in `attend_causal`.
 const QUERY_BLOCK: usize = 64;
 
