@@ -1385,6 +1385,7 @@ fn fan_out<T: Send>(items: impl IntoIterator<Item = T>, work: impl Fn(usize, T) 
         work(i0, first);
     });
 }
+
 /// Query rows (positions × query heads) scored at once in `attend_causal`.
 const QUERY_BLOCK: usize = 64;
 
