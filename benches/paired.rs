@@ -51,18 +51,18 @@ use std::time::Instant;
 
 const BASELINE: &str = "dense-f16";
 
-fn rounds() -> usize {
-    std::env::var("KVQ_PAIRED_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(100)
-        .max(3)
-}
-
 /// The `q`-quantile (0..=1) of `v` (sorted in place).
 fn quantile(v: &mut [f64], q: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// The number in the environment variable `name`, if set.
+fn env_num(name: &str) -> Option<usize> {
+    match env_list(name)?[..] {
+        [n] => Some(n),
+        ref v => panic!("{name}: one number, not {v:?}"),
+    }
 }
 
 /// The comma-separated numbers in the environment variable `name`, if set.
@@ -90,9 +90,7 @@ fn main() {
     };
     let full = std::env::var("KVQ_BENCH_FULL").is_ok_and(|v| v == "1");
     let nqs = env_list("KVQ_PAIRED_NQ").unwrap_or_else(|| vec![1, 4]);
-    let threads: usize = std::env::var("KVQ_PAIRED_THREADS")
-        .map(|v| v.parse().expect("KVQ_PAIRED_THREADS: 1, 2, 4 or 8"))
-        .unwrap_or(THREADS);
+    let threads = env_num("KVQ_PAIRED_THREADS").unwrap_or(THREADS);
     let resident = std::env::var("KVQ_PAIRED_RESIDENT").is_ok_and(|v| v == "1");
     let ctxs = env_list("KVQ_PAIRED_CTX").unwrap_or_else(|| {
         if full {
@@ -101,7 +99,8 @@ fn main() {
             vec![32768]
         }
     });
-    let (hd, be, warm, rounds) = (128, Backend::detect(), 3, rounds());
+    let rounds = env_num("KVQ_PAIRED_ROUNDS").unwrap_or(100).max(3);
+    let (hd, be, warm) = (128, Backend::detect(), 3);
     for &ctx in &ctxs {
         let kx = data(ctx * N_KV * hd, 11);
         let vx = data(ctx * N_KV * hd, 12);
