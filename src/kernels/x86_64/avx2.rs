@@ -111,7 +111,7 @@ impl Avx2 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_entry(s: Avx2, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     // SAFETY: the caller's contract, passed on.
-    unsafe { by_shape!(scores_b, head, s, head, q, out) }
+    unsafe { by_shape!([(4, 128), (8, 128)], scores_b, head, (s, head, q, out)) }
 }
 
 /// # Safety
@@ -132,7 +132,14 @@ unsafe fn scores_b<const B: u8, const HD: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn weighted_sum_entry(s: Avx2, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     // SAFETY: the caller's contract, passed on.
-    unsafe { by_shape!(weighted_sum_b, head, s, head, p, out) }
+    unsafe {
+        by_shape!(
+            [(4, 128), (8, 128)],
+            weighted_sum_b,
+            head,
+            (s, head, p, out)
+        )
+    }
 }
 
 /// # Safety

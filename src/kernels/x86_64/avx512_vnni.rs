@@ -337,26 +337,17 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
 /// [`Avx512Vnni::takes`] holds.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn entry(s: Avx512Vnni, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
-    macro_rules! by_hd {
-        ($b:literal) => {
-            match head.layout().head_dim() {
-                64 => kernel::<$b, 64>(s, head, q, out),
-                128 => kernel::<$b, 128>(s, head, q, out),
-                _ => kernel::<$b, 256>(s, head, q, out),
-            }
-        };
-    }
     // SAFETY: the caller's contract, passed on (`takes`: hd is 64/128/256).
+    // The int8 paths that are benchmarked get a compile-time shape; the
+    // rest share one kernel compiled for any width and dimension.
     unsafe {
-        match head.layout().scheme().bits() {
-            1 => by_hd!(1),
-            2 => by_hd!(2),
-            3 => by_hd!(3),
-            4 => by_hd!(4),
-            5 => by_hd!(5),
-            6 => by_hd!(6),
-            7 => by_hd!(7),
-            _ => by_hd!(8),
+        let l = head.layout();
+        match (l.scheme().bits(), l.head_dim()) {
+            (2, 128) => kernel::<2, 128>(s, head, q, out),
+            (3, 128) => kernel::<3, 128>(s, head, q, out),
+            (4, 128) => kernel::<4, 128>(s, head, q, out),
+            (8, 128) => kernel::<8, 128>(s, head, q, out),
+            _ => kernel::<0, 0>(s, head, q, out),
         }
     }
 }
@@ -439,30 +430,46 @@ unsafe fn row_bytes<const B: u8>(row: *const u8, hd: usize, v: usize) -> __m512i
     }
 }
 
+/// [`row_bytes`] for a width known only at run time.
+///
+/// # Safety
+/// As [`row_bytes`], with `bits` the row's width.
+#[inline(always)]
+unsafe fn row_bytes_any(bits: u8, row: *const u8, hd: usize, v: usize) -> __m512i {
+    // SAFETY: the caller's contract, for the width `bits`.
+    unsafe {
+        match bits {
+            1 => row_bytes::<1>(row, hd, v),
+            2 => row_bytes::<2>(row, hd, v),
+            3 => row_bytes::<3>(row, hd, v),
+            4 => row_bytes::<4>(row, hd, v),
+            5 => row_bytes::<5>(row, hd, v),
+            6 => row_bytes::<6>(row, hd, v),
+            7 => row_bytes::<7>(row, hd, v),
+            _ => row_bytes::<8>(row, hd, v),
+        }
+    }
+}
+
 /// Quantize `q'_c = q_c·sc_c` to int8 into `qi` (as
 /// `portable::quantize_query`, bit for bit: same products, same `δ`, and
 /// `vcvtps2dq` rounds half to even like `round_ties_even`); returns `δ`.
 ///
 /// # Safety
-/// `q`, `sc` valid for `HD` floats, `qi` for `HD` bytes; the features of
+/// `q`, `sc` valid for `hd` floats, `qi` for `hd` bytes; the features of
 /// [`entry`].
 #[inline(always)]
-unsafe fn quantize_query<const HD: usize>(
-    s: Avx512,
-    q: *const f32,
-    sc: *const f32,
-    qi: *mut i8,
-) -> f32 {
-    // SAFETY: the caller's contract; vectors `j < HD/16`.
+unsafe fn quantize_query(s: Avx512, hd: usize, q: *const f32, sc: *const f32, qi: *mut i8) -> f32 {
+    // SAFETY: the caller's contract; vectors `j < hd/16`.
     unsafe {
         let mut m = s.zero();
-        for j in 0..HD / 16 {
+        for j in 0..hd / 16 {
             let x = s.mul(s.load(q.add(16 * j)), s.load(sc.add(16 * j)));
             m = s.max(m, _mm512_abs_ps(x));
         }
         let delta = s.hmax(m) / 127.0;
         let inv = if delta > 0.0 { 1.0 / delta } else { 0.0 };
-        for j in 0..HD / 16 {
+        for j in 0..hd / 16 {
             let x = s.mul(
                 s.mul(s.load(q.add(16 * j)), s.load(sc.add(16 * j))),
                 s.splat(inv),
@@ -477,17 +484,18 @@ unsafe fn quantize_query<const HD: usize>(
 }
 
 /// [`quantize_query`] and the bias `q·zero` of one block in one pass,
-/// straight from its stored `f16` params at `src` (`HD` scales, then `HD`
+/// straight from its stored `f16` params at `src` (`hd` scales, then `hd`
 /// zeros unless symmetric): the same products, maximum, rounding and bias
 /// sum, in the same order, as [`tile::block_params`], [`quantize_query`]
 /// and the bias loop of [`kernel`]. Returns `(δ, bias)`.
 ///
 /// # Safety
-/// `q` valid for `HD` floats, `src` for the block's params, `qi` for `HD`
-/// bytes; `HD ≤ 256`; the features of [`entry`].
+/// `q` valid for `hd` floats, `src` for the block's params, `qi` for `hd`
+/// bytes; `hd ≤ 256`; the features of [`entry`].
 #[inline(always)]
-unsafe fn quantize_query_f16<const HD: usize>(
+unsafe fn quantize_query_f16(
     s: Avx512,
+    hd: usize,
     q: *const f32,
     src: *const u8,
     p: &Plan,
@@ -495,14 +503,14 @@ unsafe fn quantize_query_f16<const HD: usize>(
 ) -> (f32, f32) {
     let mut x = [s.zero(); 16];
     let (mut m, mut b) = (s.zero(), s.zero());
-    // SAFETY: the caller's contract; vectors `j < HD/16 ≤ 16`.
+    // SAFETY: the caller's contract; vectors `j < hd/16 ≤ 16`.
     unsafe {
-        for (j, x) in x.iter_mut().enumerate().take(HD / 16) {
+        for (j, x) in x.iter_mut().enumerate().take(hd / 16) {
             let sc = s.load_f16(src.add(32 * j));
             let ze = if p.sym() {
                 s.mul(sc, s.splat(-p.half()))
             } else {
-                s.load_f16(src.add(2 * HD + 32 * j))
+                s.load_f16(src.add(2 * hd + 32 * j))
             };
             let qv = s.load(q.add(16 * j));
             *x = s.mul(qv, sc);
@@ -511,7 +519,7 @@ unsafe fn quantize_query_f16<const HD: usize>(
         }
         let delta = s.hmax(m) / 127.0;
         let inv = if delta > 0.0 { 1.0 / delta } else { 0.0 };
-        for (j, x) in x.iter().enumerate().take(HD / 16) {
+        for (j, x) in x.iter().enumerate().take(hd / 16) {
             _mm_storeu_si128(
                 qi.add(16 * j) as *mut __m128i,
                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(s.mul(*x, s.splat(inv)))),
@@ -522,7 +530,8 @@ unsafe fn quantize_query_f16<const HD: usize>(
 }
 
 /// # Safety
-/// As [`entry`], with `HD` the head dimension.
+/// As [`entry`], with `B`/`HD` the head's width and dimension, or 0 for
+/// a kernel compiled for any (read at run time).
 #[inline(always)]
 unsafe fn kernel<const B: u8, const HD: usize>(
     v: Avx512Vnni,
@@ -534,13 +543,15 @@ unsafe fn kernel<const B: u8, const HD: usize>(
     let l = head.layout();
     let p = Plan::new(head);
     let (t_all, rb, gl) = (head.tokens(), l.row_bytes(), l.group_len());
-    let nq = q.len() / HD;
-    let nv = HD / 64;
+    let hd = if HD > 0 { HD } else { l.head_dim() };
+    let bits = if B > 0 { B } else { l.scheme().bits() };
+    let nq = q.len() / hd;
+    let nv = hd / 64;
     if t_all == 0 {
         return;
     }
-    let (mut sc, mut ze) = (Buf::new(HD), Buf::new(HD));
-    let mut qi = vec![0i8; nq * HD];
+    let (mut sc, mut ze) = (Buf::new(hd), Buf::new(hd));
+    let mut qi = vec![0i8; nq * hd];
     let mut delta = vec![0f32; nq];
     let mut bias = vec![0f32; nq];
     let accbuf = Buf::new(nq * 16 * 16);
@@ -550,41 +561,43 @@ unsafe fn kernel<const B: u8, const HD: usize>(
     // `f16` params: each block's int8 queries and biases straight from
     // the stored bytes, in registers.
     let direct = p.fmt() == ScaleFormat::F16;
-    let set = HD * 2 * if p.sym() { 1 } else { 2 };
+    let set = hd * 2 * if p.sym() { 1 } else { 2 };
     for k in 0..t_all.div_ceil(gl) {
         pf.block(k);
         if direct {
             let src = &head.params()[k * set..(k + 1) * set];
             for i in 0..nq {
-                // SAFETY: `src` holds the block's `set` bytes, `q` `HD`
-                // floats per query, `qi` `HD` bytes per query.
+                // SAFETY: `src` holds the block's `set` bytes, `q` `hd`
+                // floats per query, `qi` `hd` bytes per query.
                 unsafe {
-                    (delta[i], bias[i]) = quantize_query_f16::<HD>(
+                    (delta[i], bias[i]) = quantize_query_f16(
                         s,
-                        q.as_ptr().add(i * HD),
+                        hd,
+                        q.as_ptr().add(i * hd),
                         src.as_ptr(),
                         &p,
-                        qi.as_mut_ptr().add(i * HD),
+                        qi.as_mut_ptr().add(i * hd),
                     );
                 }
             }
         } else {
-            tile::block_params(s, head, &p, HD, k, sc.m(), ze.m());
+            tile::block_params(s, head, &p, hd, k, sc.m(), ze.m());
             for i in 0..nq {
-                // SAFETY: `q` holds `HD` floats per query, `sc`/`ze` `HD`,
-                // `qi` `HD` bytes per query.
+                // SAFETY: `q` holds `hd` floats per query, `sc`/`ze` `hd`,
+                // `qi` `hd` bytes per query.
                 unsafe {
-                    delta[i] = quantize_query::<HD>(
+                    delta[i] = quantize_query(
                         s,
-                        q.as_ptr().add(i * HD),
+                        hd,
+                        q.as_ptr().add(i * hd),
                         sc.s().as_ptr(),
-                        qi.as_mut_ptr().add(i * HD),
+                        qi.as_mut_ptr().add(i * hd),
                     );
                     // The bias with the same vector dot as the exact kernel.
                     let mut b = s.zero();
-                    for j in 0..HD / 16 {
+                    for j in 0..hd / 16 {
                         b = s.fma(
-                            s.load(q.as_ptr().add(i * HD + j * 16)),
+                            s.load(q.as_ptr().add(i * hd + j * 16)),
                             s.load(ze.s().as_ptr().add(j * 16)),
                             b,
                         );
@@ -599,7 +612,7 @@ unsafe fn kernel<const B: u8, const HD: usize>(
             let n = 16.min(t_end - t0);
             let ah = pf.tile(t0, n);
             // SAFETY: rows `t0..t0+n ≤ tokens` are in `codes` (check_head);
-            // `qi` holds `HD` bytes per query and `accbuf` 16 vectors per
+            // `qi` holds `hd` bytes per query and `accbuf` 16 vectors per
             // query; `nv ≤ 4`.
             unsafe {
                 let acc_at =
@@ -610,13 +623,17 @@ unsafe fn kernel<const B: u8, const HD: usize>(
                     let row = codes.add((t0 + tt) * rb);
                     let mut c = [_mm512_setzero_si512(); 4];
                     for (vi, c) in c.iter_mut().enumerate().take(nv) {
-                        *c = row_bytes::<B>(row, HD, vi);
+                        *c = if B > 0 {
+                            row_bytes::<B>(row, hd, vi)
+                        } else {
+                            row_bytes_any(bits, row, hd, vi)
+                        };
                     }
                     for i in 0..nq {
                         let mut a = _mm512_setzero_si512();
                         for (vi, c) in c.iter().enumerate().take(nv) {
                             let qv =
-                                _mm512_loadu_si512(qi.as_ptr().add(i * HD + vi * 64) as *const _);
+                                _mm512_loadu_si512(qi.as_ptr().add(i * hd + vi * 64) as *const _);
                             a = _mm512_dpbusd_epi32(a, *c, qv);
                         }
                         s.store_i(acc_at(i, tt), a);

@@ -33,34 +33,20 @@
 //! safe methods on the tokens `assert!` every length the raw-pointer loops
 //! rely on before entering them.
 
-/// Call `$f::<BITS, HD>($args)` for the head's width and dimension: the
-/// widths that matter most (2, 3, 4, 8) at the common head dimensions (64,
-/// 128, 256) get a compile-time `HD` (fully unrolled rows); everything
-/// else runs with `HD = 0` (the dimension read at run time).
+/// Call `$f::<BITS, HD>$args` for the head's width and dimension: the
+/// listed `(BITS, HD)` shapes get a compile-time shape (fully unrolled
+/// rows held in registers, the fused kernels); every other shape runs one
+/// instance compiled for any width and dimension (`BITS = 0, HD = 0`: both
+/// read at run time, the tile-buffer kernels). A compile-time shape costs
+/// tens of KiB of machine code per kernel and backend and seconds of build
+/// time, so the backends list only the shapes where a benchmark shows the
+/// fused kernels pay (see `docs/PERFORMANCE.md`).
 macro_rules! by_shape {
-    ($f:ident, $head:expr, $($arg:expr),*) => {{
+    ([$(($b:literal, $hd:literal)),*], $f:ident, $head:expr, $args:tt) => {{
         let l = $head.layout();
         match (l.scheme().bits(), l.head_dim()) {
-            (2, 64) => $f::<2, 64>($($arg),*),
-            (2, 128) => $f::<2, 128>($($arg),*),
-            (2, 256) => $f::<2, 256>($($arg),*),
-            (3, 64) => $f::<3, 64>($($arg),*),
-            (3, 128) => $f::<3, 128>($($arg),*),
-            (3, 256) => $f::<3, 256>($($arg),*),
-            (4, 64) => $f::<4, 64>($($arg),*),
-            (4, 128) => $f::<4, 128>($($arg),*),
-            (4, 256) => $f::<4, 256>($($arg),*),
-            (8, 64) => $f::<8, 64>($($arg),*),
-            (8, 128) => $f::<8, 128>($($arg),*),
-            (8, 256) => $f::<8, 256>($($arg),*),
-            (1, _) => $f::<1, 0>($($arg),*),
-            (2, _) => $f::<2, 0>($($arg),*),
-            (3, _) => $f::<3, 0>($($arg),*),
-            (4, _) => $f::<4, 0>($($arg),*),
-            (5, _) => $f::<5, 0>($($arg),*),
-            (6, _) => $f::<6, 0>($($arg),*),
-            (7, _) => $f::<7, 0>($($arg),*),
-            _ => $f::<8, 0>($($arg),*),
+            $(($b, $hd) => $f::<$b, $hd> $args,)*
+            _ => $f::<0, 0> $args,
         }
     }};
 }

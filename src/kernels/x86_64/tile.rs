@@ -12,29 +12,53 @@ use crate::scheme::{Axis, Mode, ScaleFormat};
 use crate::store::PackedHead;
 use half::f16;
 
-/// `for $j in $lo..$hi { $body }`, fully unrolled for up to 32 iterations:
-/// the bounds are compile-time constants wherever this is used, so every
-/// `if` folds, every index into a register array is a constant and the
-/// array stays in registers (LLVM will not unroll 16 iterations of a large
-/// body by itself).
+/// `for $j in $lo..$hi { $body }`, fully unrolled into exactly `$n`
+/// guarded copies (`$n` is 2, 4, 8, 16 or 32 and bounds `$hi − $lo`): the
+/// bounds are compile-time constants wherever this is used, so every `if`
+/// folds, every index into a register array is a constant and the array
+/// stays in registers (LLVM will not unroll 16 iterations of a large body
+/// by itself). Each site asks for the smallest `$n` its loop needs: the
+/// copies are generated before they fold, and nested sites multiply.
 macro_rules! unroll {
-    ($j:ident in $lo:expr, $hi:expr => $body:block) => {{
-        let (lo, hi): (usize, usize) = ($lo, $hi);
-        assert!(hi <= lo + 32, "unroll: more than 32 iterations");
-        unroll!(@go lo, hi, $j, $body, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
+    // `$cap` a constant expression bounding `$hi − $lo` (at most 32): the
+    // fewest copies that cover it, chosen at compile time (the other
+    // ladders' copies are never emitted).
+    (cap = $cap:expr; $j:ident in $lo:expr, $hi:expr => $body:block) => {{
+        if const { $cap <= 2 } {
+            unroll!(2; $j in $lo, $hi => $body)
+        } else if const { $cap <= 4 } {
+            unroll!(4; $j in $lo, $hi => $body)
+        } else if const { $cap <= 8 } {
+            unroll!(8; $j in $lo, $hi => $body)
+        } else if const { $cap <= 16 } {
+            unroll!(16; $j in $lo, $hi => $body)
+        } else {
+            unroll!(32; $j in $lo, $hi => $body)
+        }
     }};
+    ($n:tt; $j:ident in $lo:expr, $hi:expr => $body:block) => {{
+        let (lo, hi): (usize, usize) = ($lo, $hi);
+        assert!(hi <= lo + $n, "unroll: more iterations than copies");
+        unroll!(@n $n, lo, hi, $j, $body);
+    }};
+    (@n 2, $lo:ident, $hi:ident, $j:ident, $body:block) => {
+        unroll!(@go $lo, $hi, $j, $body, 0 1)
+    };
+    (@n 4, $lo:ident, $hi:ident, $j:ident, $body:block) => {
+        unroll!(@go $lo, $hi, $j, $body, 0 1 2 3)
+    };
+    (@n 8, $lo:ident, $hi:ident, $j:ident, $body:block) => {
+        unroll!(@go $lo, $hi, $j, $body, 0 1 2 3 4 5 6 7)
+    };
+    (@n 16, $lo:ident, $hi:ident, $j:ident, $body:block) => {
+        unroll!(@go $lo, $hi, $j, $body, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
+    };
+    (@n 32, $lo:ident, $hi:ident, $j:ident, $body:block) => {
+        unroll!(@go $lo, $hi, $j, $body, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31)
+    };
     (@go $lo:ident, $hi:ident, $j:ident, $body:block, $($k:literal)*) => {
         $( if $lo + $k < $hi { let $j: usize = $lo + $k; $body } )*
     };
-}
-
-/// [`unroll!`] for at most 8 iterations (nested unrolls stay small).
-macro_rules! unroll8 {
-    ($j:ident in $lo:expr, $hi:expr => $body:block) => {{
-        let (lo, hi): (usize, usize) = ($lo, $hi);
-        assert!(hi <= lo + 8, "unroll8: more than 8 iterations");
-        unroll!(@go lo, hi, $j, $body, 0 1 2 3 4 5 6 7);
-    }};
 }
 
 /// How many tokens ahead of the tile being computed the kernels ask for
@@ -231,19 +255,23 @@ struct Geo {
     /// Every plane of the row splits into whole vectors (or, with 16
     /// lanes, exact half vectors): the shift-and-mask unpack applies.
     fast: bool,
+    /// Bits per code (the `B` of the kernel, or the head's width when the
+    /// kernel was compiled for any width, `B = 0`).
+    bits: u8,
 }
 
 impl Geo {
     #[inline(always)]
-    fn new<S: Simd, const B: u8, const HD: usize>(hd_rt: usize) -> Geo {
+    fn new<S: Simd, const B: u8, const HD: usize>(hd_rt: usize, bits_rt: u8) -> Geo {
         let hd = if HD > 0 { HD } else { hd_rt };
+        let bits = if B > 0 { B } else { bits_rt };
         let hdp = hd.div_ceil(S::L) * S::L;
         // A plane of width p is m = hd·p/8 bytes (see `pack`).
         let ok = |p: usize| {
             let m = hd * p / 8;
             m.is_multiple_of(S::L) || (2 * m == S::L && p < 8)
         };
-        let b = B as usize;
+        let b = bits as usize;
         let fast = if b == 8 {
             ok(8)
         } else {
@@ -255,6 +283,7 @@ impl Geo {
             nch: hdp / S::L,
             rb: hd * b / 8,
             fast,
+            bits,
         }
     }
 }
@@ -409,7 +438,11 @@ unsafe fn unpack_tile<S: Simd, const B: u8, D: Deq<S>>(
             let row = rows.add(tt * g.rb);
             let dst = scr.add(tt * S::L);
             if g.fast {
-                unpack_row::<S, B, D>(s, row, g.hd, dst, tt, d);
+                if B > 0 {
+                    unpack_row::<S, B, D>(s, row, g.hd, dst, tt, d);
+                } else {
+                    unpack_row_any::<S, D>(s, g.bits, row, g.hd, dst, tt, d);
+                }
             } else {
                 unpack_row_scalar::<S, B, D>(s, g, row, u8buf, dst, tt, d);
             }
@@ -464,6 +497,37 @@ unsafe fn unpack_row<S: Simd, const B: u8, D: Deq<S>>(
                 plane::<S, D, 1, 6, false, true>(s, row.add(h2 + h4), h8, dst, tt, d);
             }
             _ => plane::<S, D, 8, 0, true, true>(s, row, hd, dst, tt, d),
+        }
+    }
+}
+
+/// [`unpack_row`] for a width known only at run time: one branch per
+/// row picks the width's plane sequence (the kernels compiled for any
+/// width, `B = 0`, share one driver instead of one per width).
+///
+/// # Safety
+/// As [`unpack_row`], with `bits` the row's width.
+#[inline(always)]
+unsafe fn unpack_row_any<S: Simd, D: Deq<S>>(
+    s: S,
+    bits: u8,
+    row: *const u8,
+    hd: usize,
+    dst: *mut f32,
+    tt: usize,
+    d: D,
+) {
+    // SAFETY: the caller's contract, for the width `bits`.
+    unsafe {
+        match bits {
+            1 => unpack_row::<S, 1, D>(s, row, hd, dst, tt, d),
+            2 => unpack_row::<S, 2, D>(s, row, hd, dst, tt, d),
+            3 => unpack_row::<S, 3, D>(s, row, hd, dst, tt, d),
+            4 => unpack_row::<S, 4, D>(s, row, hd, dst, tt, d),
+            5 => unpack_row::<S, 5, D>(s, row, hd, dst, tt, d),
+            6 => unpack_row::<S, 6, D>(s, row, hd, dst, tt, d),
+            7 => unpack_row::<S, 7, D>(s, row, hd, dst, tt, d),
+            _ => unpack_row::<S, 8, D>(s, row, hd, dst, tt, d),
         }
     }
 }
@@ -559,7 +623,7 @@ unsafe fn unpack_row_scalar<S: Simd, const B: u8, D: Deq<S>>(
     unsafe {
         let src = std::slice::from_raw_parts(row, g.rb);
         let codes = std::slice::from_raw_parts_mut(u8buf, g.hd);
-        pack::unpack(src, B, codes);
+        pack::unpack(src, g.bits, codes);
         for j in 0..g.nch {
             let x = s.cvt(s.load_u8(u8buf.add(j * S::L)));
             s.store(dst.add(j * S::T * S::L), d.apply(s, tt, j, x));
@@ -699,7 +763,7 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
     // the FMAs, were the bound).
     let mut q1 = [s.zero(); MAX_NCH];
     if nq == 1 {
-        unroll!(j in 0, g.nch => {
+        unroll!(32; j in 0, g.nch => {
             // SAFETY: the caller's contract: `q` holds `hdp ≥ nch·L` floats.
             q1[j] = unsafe { s.load(q.add(j * S::L)) };
         });
@@ -720,14 +784,14 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
             unsafe {
                 let (ra, rb) = (rows.add(tt * g.rb), rows.add((tt + 1) * g.rb));
                 let (mut xa, mut xb) = ([s.zero(); MAX_NCH], [s.zero(); MAX_NCH]);
-                unroll!(j in 0, g.nch => {
+                unroll!(32; j in 0, g.nch => {
                     xa[j] = row_vec::<S, B, D, NIB>(s, g, d, ra, tt, j);
                     xb[j] = row_vec::<S, B, D, NIB>(s, g, d, rb, tt + 1, j);
                 });
                 for i in 0..nq {
                     let qi = q.add(i * g.hdp);
                     let (mut a, mut b) = ([s.zero(); 2], [s.zero(); 2]);
-                    unroll!(j in 0, g.nch => {
+                    unroll!(32; j in 0, g.nch => {
                         let qv = s.load(qi.add(j * S::L));
                         a[j % 2] = s.fma(xa[j], qv, a[j % 2]);
                         b[j % 2] = s.fma(xb[j], qv, b[j % 2]);
@@ -746,20 +810,20 @@ unsafe fn fused_scores_tile<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
             let row = rows.add(tt * g.rb);
             if nq == 1 {
                 let mut a = [s.zero(); 2];
-                unroll!(j in 0, g.nch => {
+                unroll!(32; j in 0, g.nch => {
                     let x = row_vec::<S, B, D, NIB>(s, g, d, row, tt, j);
                     a[j % 2] = s.fma(x, q1[j], a[j % 2]);
                 });
                 s.store(accbuf.add(tt * S::L), s.add(a[0], a[1]));
             } else {
                 let mut xs = [s.zero(); MAX_NCH];
-                unroll!(j in 0, g.nch => {
+                unroll!(32; j in 0, g.nch => {
                     xs[j] = row_vec::<S, B, D, NIB>(s, g, d, row, tt, j);
                 });
                 for i in 0..nq {
                     let qi = q.add(i * g.hdp);
                     let mut a = [s.zero(); 2];
-                    unroll!(j in 0, g.nch => {
+                    unroll!(32; j in 0, g.nch => {
                         a[j % 2] = s.fma(xs[j], s.load(qi.add(j * S::L)), a[j % 2]);
                     });
                     s.store(accbuf.add((i * S::T + tt) * S::L), s.add(a[0], a[1]));
@@ -1212,7 +1276,7 @@ unsafe fn block_queries_f16<S: Simd>(
         let mut b = s.zero();
         // SAFETY: the caller's contract; vectors `j < nch`.
         unsafe {
-            unroll!(j in 0, nch => {
+            unroll!(32; j in 0, nch => {
                 let sc = s.load_f16(src.add(j * S::L * 2));
                 let ze = if p.sym {
                     s.mul(sc, s.splat(-p.half))
@@ -1244,7 +1308,7 @@ unsafe fn block_queries_f16<S: Simd>(
         }
         // SAFETY: vectors `j < nch` of query `i` of `qs`.
         unsafe {
-            unroll!(j in 0, nch => {
+            unroll!(32; j in 0, nch => {
                 s.store(qs.add(i * hdp + j * S::L), x[j]);
             });
         }
@@ -1269,7 +1333,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
     out: &mut [f32],
 ) {
     let p = Plan::new(head);
-    let g = Geo::new::<S, B, HD>(head.layout().head_dim());
+    let g = Geo::new::<S, B, HD>(head.layout().head_dim(), head.layout().scheme().bits());
     let (hd, hdp, t_all) = (g.hd, g.hdp, p.tokens);
     let nq = q.len() / hd;
     if t_all == 0 {
@@ -1359,7 +1423,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                         // `accbuf` `T` vectors per query, `qs` `hdp` floats
                         // per query.
                         let r = unsafe {
-                            if fused {
+                            if const { HD > 0 } && fused {
                                 let (qp, ap) = (qs.s().as_ptr(), accbuf.m().as_mut_ptr());
                                 match (i, nib, &mut t3) {
                                     (0, true, _) => fused_scores_tile::<S, B, Raw, true>(
@@ -1423,7 +1487,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                         u8buf.as_mut_ptr(),
                     );
                     match tp.deq_rows() {
-                        _ if fused => match &mut t3 {
+                        _ if const { HD > 0 } && fused => match &mut t3 {
                             Some(t3) => {
                                 let r8 = t3.load(s, rows, g.rb, n);
                                 fused_scores_tile::<S, 8, PerToken, false>(
@@ -1490,7 +1554,7 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
     out: &mut [f32],
 ) {
     let pl = Plan::new(head);
-    let g = Geo::new::<S, B, HD>(head.layout().head_dim());
+    let g = Geo::new::<S, B, HD>(head.layout().head_dim(), head.layout().scheme().bits());
     let (hd, hdp, t_all) = (g.hd, g.hdp, pl.tokens);
     let nq = out.len() / hd;
     if t_all == 0 {
@@ -1508,7 +1572,7 @@ pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
     };
     match head.layout().scheme().axis() {
         Axis::PerToken
-            if HD > 0
+            if const { HD > 0 }
                 && g.fast
                 && matches!(nq, 1 | 2 | 4)
                 && g.nch <= MAX_NCH
@@ -1710,7 +1774,7 @@ unsafe fn expand_scales<S: Simd>(
     let mut zt = [s.zero(); 4];
     let mut t = 0;
     while t < n {
-        unroll!(u in 0, 4 => {
+        unroll!(4; u in 0, 4 => {
             if t + u < n {
                 let o = (t + u) * d.stride;
                 // SAFETY: the caller's contract; row `t + u < n`.
@@ -1770,7 +1834,7 @@ unsafe fn expand_scales_f16<S: Simd>(
     let mut zt = [s.zero(); 4];
     let mut t = 0;
     while t < n {
-        unroll!(u in 0, 4 => {
+        unroll!(4; u in 0, 4 => {
             if t + u < n {
                 // SAFETY: the caller's contract; row `t + u < n`.
                 unsafe {
@@ -1805,13 +1869,13 @@ unsafe fn zero_sums<S: Simd>(s: S, d: PerToken, pi: &[f32], gch: usize, z: &mut 
     let mut zt = [[s.zero(); 4]; 4];
     let mut t = 0;
     while t < n {
-        unroll8!(u in 0, 4 => {
+        unroll!(4; u in 0, 4 => {
             if t + u < n {
                 // SAFETY: the caller's contract; token `t + u < n`.
                 unsafe {
                     let pb = s.bcast(pi.as_ptr().add(t + u));
                     let o = (t + u) * d.stride;
-                    unroll8!(c in 0, 4 => {
+                    unroll!(4; c in 0, 4 => {
                         if c < gch {
                             zt[u][c] = s.fma(s.load(d.ze.add(o + c * S::L)), pb, zt[u][c]);
                         }
@@ -1821,7 +1885,7 @@ unsafe fn zero_sums<S: Simd>(s: S, d: PerToken, pi: &[f32], gch: usize, z: &mut 
         });
         t += 4;
     }
-    unroll8!(c in 0, 4 => {
+    unroll!(4; c in 0, 4 => {
         if c < gch {
             z[c] = s.add(
                 z[c],
@@ -2020,13 +2084,13 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 Some(t3) => (t3.load(s, codes.add(t0 * g.rb), g.rb, n), g.hd),
                 None => (codes.add(t0 * g.rb), g.rb),
             };
-            if nib {
+            if const { matches!(B, 2 | 4) } && nib {
                 let mut jj0 = 0;
                 while jj0 < h {
                     let mut a = [[s.zero(); 16]; NQ];
-                    unroll8!(i in 0, NQ => {
-                        unroll8!(f in 0, 4 => {
-                            unroll8!(k in 0, 8 => {
+                    unroll!(4; i in 0, NQ => {
+                        unroll!(4; f in 0, 4 => {
+                            unroll!(8; k in 0, 8 => {
                                 if f < nf && k < bb {
                                     let o = i * hdp + (jj0 + k + f * h) * S::L;
                                     a[i][f * fs + k] = s.load(acc.as_ptr().add(o));
@@ -2044,29 +2108,29 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         let zr = zt.add(tt * ne + jj0);
                         let mut pb = [s.zero(); NQ];
                         if fold {
-                            unroll8!(i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                            unroll!(4; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
                         }
                         // One widening per byte vector; field `f` (vector
                         // `jj + f·h`) is `v_f − v_{f−1}` of the masked
                         // prefixes, exact and `2^{B·f}` times the field.
-                        unroll8!(k in 0, 8 => {
+                        unroll!(8; k in 0, 8 => {
                             if k < bb {
                                 let bytes = s.load_u8(row.add(k * S::L));
                                 let mut v = [s.zero(); 4];
                                 let mut x = [s.zero(); 4];
-                                unroll8!(f in 0, 4 => {
+                                unroll!(4; f in 0, 4 => {
                                     if f < nf {
                                         v[f] = byte_prefix::<S, B>(s, bytes, f);
                                         x[f] = if f == 0 { v[0] } else { s.sub(v[f], v[f - 1]) };
                                     }
                                 });
-                                unroll8!(f in 0, 4 => {
+                                unroll!(4; f in 0, 4 => {
                                     if f < nf {
                                         let wf = s.bcast(w.add(f * h + k));
                                         if fold {
                                             let zf = s.bcast(zr.add(f * h + k));
                                             let xf = s.fma(x[f], wf, zf);
-                                            unroll8!(i in 0, NQ => {
+                                            unroll!(4; i in 0, NQ => {
                                                 a[i][f * fs + k] = s.fma(xf, pb[i], a[i][f * fs + k]);
                                             });
                                         } else {
@@ -2077,9 +2141,9 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                             }
                         });
                     }
-                    unroll8!(i in 0, NQ => {
-                        unroll8!(f in 0, 4 => {
-                            unroll8!(k in 0, 8 => {
+                    unroll!(4; i in 0, NQ => {
+                        unroll!(4; f in 0, 4 => {
+                            unroll!(8; k in 0, 8 => {
                                 if f < nf && k < bb {
                                     let o = i * hdp + (jj0 + k + f * h) * S::L;
                                     s.store(acc.as_mut_ptr().add(o), a[i][f * fs + k]);
@@ -2094,8 +2158,8 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 while j0 < nch {
                     let j1 = (j0 + jb).min(nch);
                     let mut a = [[s.zero(); 16]; NQ];
-                    unroll!(i in 0, NQ => {
-                        unroll!(j in j0, j1 => {
+                    unroll!(4; i in 0, NQ => {
+                        unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
                             a[i][j - j0] = s.load(acc.as_ptr().add(i * hdp + j * S::L));
                         });
                     });
@@ -2109,13 +2173,13 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         let zr = zt.add(tt * ne);
                         let mut pb = [s.zero(); NQ];
                         if fold {
-                            unroll!(i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                            unroll!(4; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
                         }
-                        unroll!(j in j0, j1 => {
+                        unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
                             let x = codes_f32::<S, B>(s, row, g.hd, j);
                             if fold {
                                 let x = s.fma(x, s.bcast(w.add(j)), s.bcast(zr.add(j)));
-                                unroll!(i in 0, NQ => {
+                                unroll!(4; i in 0, NQ => {
                                     a[i][j - j0] = s.fma(x, pb[i], a[i][j - j0]);
                                 });
                             } else {
@@ -2123,8 +2187,8 @@ unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                             }
                         });
                     }
-                    unroll!(i in 0, NQ => {
-                        unroll!(j in j0, j1 => {
+                    unroll!(4; i in 0, NQ => {
+                        unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
                             s.store(acc.as_mut_ptr().add(i * hdp + j * S::L), a[i][j - j0]);
                         });
                     });
