@@ -41,8 +41,9 @@
 
 use crate::element::{as_f32, Element};
 use crate::error::{Error, Result};
-use crate::kernels::Backend;
 use crate::scheme::{Axis, Layout, Mode, QuantScheme, ScaleFormat};
+use crate::simd::Backend;
+use crate::simd::Kernel;
 use crate::store::PackedBlock;
 
 /// A quantizer of K or V blocks `[tokens, n_kv_heads, head_dim]`.
@@ -411,32 +412,9 @@ pub(crate) fn inv(scale: f32) -> f32 {
     }
 }
 
-/// Call `$method` on the token of `$backend` (the SIMD backends compile
-/// the generic driver with their vector loops), or `$generic` with the
-/// portable loops when the backend is portable or the CPU lacks it. The
-/// bytes are identical either way.
-macro_rules! on_backend {
-    ($backend:expr, $method:ident, $generic:ident, $($arg:expr),*) => {{
-        #[cfg(target_arch = "x86_64")]
-        match $backend {
-            Backend::Avx512 => {
-                if let Some(s) = crate::kernels::x86_64::Avx512::new() {
-                    return s.$method($($arg),*);
-                }
-            }
-            Backend::Avx2 => {
-                if let Some(s) = crate::kernels::x86_64::Avx2::new() {
-                    return s.$method($($arg),*);
-                }
-            }
-            Backend::Portable => {}
-        }
-        let _ = $backend;
-        $generic(Scalar, $($arg),*)
-    }};
-}
-
-/// [`quantize_token_generic`] on `backend`.
+/// [`quantize_token_generic`] on `backend` (the SIMD backends compile the
+/// generic driver with their vector loops; the bytes are identical on
+/// every backend).
 pub(crate) fn quantize_token(
     backend: Backend,
     l: &Layout,
@@ -445,16 +423,13 @@ pub(crate) fn quantize_token(
     codes: &mut [u8],
     params: &mut [u8],
 ) -> Result<()> {
-    on_backend!(
-        backend,
-        quantize_token,
-        quantize_token_generic,
+    backend.dispatch(QuantizeToken {
         l,
         x,
         token,
         codes,
-        params
-    )
+        params,
+    })
 }
 
 /// [`quantize_channel_block_generic`] on `backend`.
@@ -469,18 +444,81 @@ pub(crate) fn quantize_channel_block(
     codes: &mut [u8],
     params: &mut [u8],
 ) -> Result<()> {
-    on_backend!(
-        backend,
-        quantize_channel_block,
-        quantize_channel_block_generic,
+    backend.dispatch(QuantizeBlock {
         l,
         rows,
         tb,
         h,
         token0,
         codes,
-        params
-    )
+        params,
+    })
+}
+
+/// The arguments of [`quantize_token`], as a kernel.
+struct QuantizeToken<'a> {
+    l: &'a Layout,
+    x: &'a [f32],
+    token: usize,
+    codes: &'a mut [u8],
+    params: &'a mut [u8],
+}
+
+impl Kernel for QuantizeToken<'_> {
+    type Output = Result<()>;
+
+    fn portable(self) -> Result<()> {
+        quantize_token_generic(Scalar, self.l, self.x, self.token, self.codes, self.params)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
+        quantize_token_generic(s, self.l, self.x, self.token, self.codes, self.params)
+    }
+}
+
+/// The arguments of [`quantize_channel_block`], as a kernel.
+struct QuantizeBlock<'a> {
+    l: &'a Layout,
+    rows: &'a [f32],
+    tb: usize,
+    h: usize,
+    token0: usize,
+    codes: &'a mut [u8],
+    params: &'a mut [u8],
+}
+
+impl Kernel for QuantizeBlock<'_> {
+    type Output = Result<()>;
+
+    fn portable(self) -> Result<()> {
+        let QuantizeBlock {
+            l,
+            rows,
+            tb,
+            h,
+            token0,
+            codes,
+            params,
+        } = self;
+        quantize_channel_block_generic(Scalar, l, rows, tb, h, token0, codes, params)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
+        let QuantizeBlock {
+            l,
+            rows,
+            tb,
+            h,
+            token0,
+            codes,
+            params,
+        } = self;
+        quantize_channel_block_generic(s, l, rows, tb, h, token0, codes, params)
+    }
 }
 
 /// Quantize one token (all heads; `x` is `[n_kv_heads·head_dim]`, finite).

@@ -29,6 +29,7 @@
 
 use super::{portable, Backend};
 use crate::error::{Error, Result};
+use crate::simd::Kernel;
 use half::f16;
 
 /// `out[i·tokens + t] = q_i · keys_t` for `f32` keys `[tokens, head_dim]`
@@ -177,7 +178,6 @@ fn shape(
     Ok((data / hd, vecs / hd))
 }
 
-#[allow(unused_variables)]
 fn scores_impl<E: Elem + X86Elem>(
     backend: Backend,
     hd: usize,
@@ -186,43 +186,24 @@ fn scores_impl<E: Elem + X86Elem>(
     out: &mut [f32],
 ) -> Result<()> {
     let op = "dense::scores";
-    let (t, nq) = shape(
+    let (t, _) = shape(
         op,
         hd,
         k.len(),
         q.len(),
         "query values (a positive multiple of head_dim)",
     )?;
-    crate::quant::check_len(op, "output logits", nq * t, out.len())?;
-    #[cfg(target_arch = "x86_64")]
-    match backend {
-        Backend::Avx512 => {
-            if let Some(s) = super::x86_64::Avx512::new() {
-                s.dense_scores(hd, k, q, out);
-                return Ok(());
-            }
-        }
-        Backend::Avx2 => {
-            if let Some(s) = super::x86_64::Avx2::new() {
-                s.dense_scores(hd, k, q, out);
-                return Ok(());
-            }
-        }
-        Backend::Portable => {}
-    }
-    let mut row = vec![0f32; hd];
-    for tt in 0..t {
-        for (r, x) in row.iter_mut().zip(&k[tt * hd..(tt + 1) * hd]) {
-            *r = x.f();
-        }
-        for i in 0..nq {
-            out[i * t + tt] = portable::dot(&q[i * hd..(i + 1) * hd], &row);
-        }
-    }
+    crate::quant::check_len(op, "output logits", q.len() / hd * t, out.len())?;
+    backend.dispatch(Dense {
+        sum: false,
+        hd,
+        rows: k,
+        x: q,
+        out,
+    });
     Ok(())
 }
 
-#[allow(unused_variables)]
 fn weighted_sum_impl<E: Elem + X86Elem>(
     backend: Backend,
     hd: usize,
@@ -239,32 +220,65 @@ fn weighted_sum_impl<E: Elem + X86Elem>(
         "output values (a positive multiple of head_dim)",
     )?;
     crate::quant::check_len(op, "weights", nq * t, p.len())?;
-    #[cfg(target_arch = "x86_64")]
-    match backend {
-        Backend::Avx512 => {
-            if let Some(s) = super::x86_64::Avx512::new() {
-                s.dense_weighted_sum(hd, v, p, out);
-                return Ok(());
-            }
-        }
-        Backend::Avx2 => {
-            if let Some(s) = super::x86_64::Avx2::new() {
-                s.dense_weighted_sum(hd, v, p, out);
-                return Ok(());
-            }
-        }
-        Backend::Portable => {}
-    }
-    let mut row = vec![0f32; hd];
-    for tt in 0..t {
-        for (r, x) in row.iter_mut().zip(&v[tt * hd..(tt + 1) * hd]) {
-            *r = x.f();
-        }
-        for i in 0..nq {
-            portable::axpy(p[i * t + tt], &row, &mut out[i * hd..(i + 1) * hd]);
-        }
-    }
+    backend.dispatch(Dense {
+        sum: true,
+        hd,
+        rows: v,
+        x: p,
+        out,
+    });
     Ok(())
+}
+
+/// A dense kernel over `[tokens, hd]` rows, lengths already checked:
+/// scores (`x` the queries, `out` the logits) or, with `sum`, the weighted
+/// sum (`x` the weights, `out` the accumulated outputs).
+struct Dense<'a, E> {
+    sum: bool,
+    hd: usize,
+    rows: &'a [E],
+    x: &'a [f32],
+    out: &'a mut [f32],
+}
+
+impl<E: Elem + X86Elem> Kernel for Dense<'_, E> {
+    type Output = ();
+
+    fn portable(self) {
+        let Dense {
+            sum,
+            hd,
+            rows,
+            x,
+            out,
+        } = self;
+        let t = rows.len() / hd;
+        let nq = if sum { out.len() } else { x.len() } / hd;
+        let mut row = vec![0f32; hd];
+        for tt in 0..t {
+            for (r, v) in row.iter_mut().zip(&rows[tt * hd..(tt + 1) * hd]) {
+                *r = v.f();
+            }
+            for i in 0..nq {
+                if sum {
+                    portable::axpy(x[i * t + tt], &row, &mut out[i * hd..(i + 1) * hd]);
+                } else {
+                    out[i * t + tt] = portable::dot(&x[i * hd..(i + 1) * hd], &row);
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn simd<S: super::x86_64::Simd>(self, s: S) {
+        use super::x86_64::tile;
+        if self.sum {
+            tile::dense_weighted_sum(s, self.hd, self.rows, self.x, self.out)
+        } else {
+            tile::dense_scores(s, self.hd, self.rows, self.x, self.out)
+        }
+    }
 }
 
 /// The element's SIMD loader (identity on other architectures).

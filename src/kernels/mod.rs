@@ -31,7 +31,8 @@
 //! oracle, `portable` runs anywhere, and architecture files hold the SIMD
 //! versions (`x86_64/avx2.rs`, `x86_64/avx512.rs`, both instances of the
 //! generic tile kernels in `x86_64/tile.rs`). A [`Backend`] is chosen once
-//! at run time (or forced). [`dense`] holds the unquantized f32/f16
+//! at run time (or forced); each public function hands a kernel value to
+//! the one dispatch in `crate::simd`. [`dense`] holds the unquantized f32/f16
 //! baselines.
 //!
 //! # Hardware
@@ -59,122 +60,99 @@
 //! than the portable one, so backends differ in the last bits; force
 //! [`Backend::Portable`] for results identical across machines.
 
+/// The packed kernel `$tile` (`tile::scores` or `tile::weighted_sum`) for
+/// every shape [`x86_64::by_shape!`] distinguishes, one module per shape
+/// (so the shapes are compiled as separate, parallel codegen units), and
+/// `$run(backend, head, x, out)`, which sends a head to its shape's kernel.
+/// `$check(head, x.len(), out.len())` asserts the lengths the raw loops
+/// rely on; `$portable` is the portable body.
+macro_rules! packed_kernel {
+    ($run:ident, $tile:ident, $portable:path, $check:expr) => {
+        packed_kernel!(@shape shape_2_128, 2, 128, $tile, $portable, $check);
+        packed_kernel!(@shape shape_3_128, 3, 128, $tile, $portable, $check);
+        packed_kernel!(@shape shape_4_128, 4, 128, $tile, $portable, $check);
+        packed_kernel!(@shape shape_8_128, 8, 128, $tile, $portable, $check);
+        packed_kernel!(@shape shape_any, 0, 0, $tile, $portable, $check);
+
+        /// Run the kernel for `head`'s shape on `backend` (lengths checked).
+        fn $run(backend: Backend, head: &PackedHead<'_>, x: &[f32], out: &mut [f32]) {
+            #[cfg(target_arch = "x86_64")]
+            super::x86_64::by_shape!(
+                backend,
+                head,
+                [shape_2_128, shape_3_128, shape_4_128, shape_8_128, shape_any],
+                (backend, head, x, out)
+            );
+            #[cfg(not(target_arch = "x86_64"))]
+            shape_any::run(backend, head, x, out);
+        }
+    };
+    (@shape $m:ident, $b:literal, $hd:literal, $tile:ident, $portable:path, $check:expr) => {
+        mod $m {
+            use crate::simd::{Backend, Kernel};
+            use crate::store::PackedHead;
+
+            /// The kernel's arguments, lengths already checked, for a head of
+            /// this module's shape (`(0, 0)`: any shape).
+            struct Args<'a, 'h> {
+                head: &'a PackedHead<'h>,
+                x: &'a [f32],
+                out: &'a mut [f32],
+            }
+
+            impl Kernel for Args<'_, '_> {
+                type Output = ();
+
+                fn portable(self) {
+                    $portable(self.head, self.x, self.out)
+                }
+
+                #[cfg(target_arch = "x86_64")]
+                #[inline(always)]
+                fn simd<S: crate::simd::x86_64::Simd>(self, s: S) {
+                    use crate::kernels::x86_64::{fused_shape, tile};
+                    let Args { head, x, out } = self;
+                    ($check)(head, x.len(), out.len());
+                    if const { fused_shape::<S>($b, $hd) } {
+                        // SAFETY: `$check` asserted every length the raw
+                        // loops rely on; `by_shape!` sends only heads of
+                        // this shape here (any, for `(0, 0)`); `s` proves
+                        // the features this body is compiled with.
+                        unsafe { tile::$tile::<S, $b, $hd>(s, head, x, out) }
+                    } else {
+                        unreachable!("kernels: no kernel for this shape on this token")
+                    }
+                }
+            }
+
+            pub(super) fn run(backend: Backend, head: &PackedHead<'_>, x: &[f32], out: &mut [f32]) {
+                backend.dispatch(Args { head, x, out })
+            }
+        }
+    };
+}
+
 pub mod dense;
 pub mod reference;
 
 pub(crate) mod portable;
-
-pub(crate) use portable::{axpy, dot};
+mod scores;
+mod softmax;
+mod weighted_sum;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_64;
 
+pub use crate::simd::Backend;
+pub(crate) use portable::{axpy, dot};
+pub use scores::{scores, scores_i8, scores_i8_is_int8, scores_i8_on, scores_on};
+pub use softmax::{softmax, softmax_on, softmax_parts, softmax_parts_on};
+pub use weighted_sum::{
+    weighted_sum, weighted_sum_i8, weighted_sum_i8_is_int8, weighted_sum_i8_on, weighted_sum_on,
+};
+
 use crate::error::{Error, Result};
-use crate::store::PackedHead;
-use std::sync::atomic::{AtomicU8, Ordering};
 
-/// Which implementation of the kernels runs.
-///
-/// [`Backend::detect`] picks the best one the CPU supports, once, and caches
-/// it. Set the environment variable `KVQ_BACKEND=portable` (read at first
-/// detection) or pass a backend explicitly (`*_on` functions,
-/// [`CacheConfig::backend`](crate::CacheConfig::backend)) to force one —
-/// e.g. [`Backend::Portable`] for results that are bit-identical across
-/// machines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Backend {
-    /// Plain Rust; every CPU.
-    Portable,
-    /// x86-64 with AVX2, FMA and F16C: 256-bit vectors.
-    Avx2,
-    /// x86-64 with AVX-512F/BW/VL (and AVX2, FMA, F16C): 512-bit vectors.
-    Avx512,
-}
-
-static DETECTED: AtomicU8 = AtomicU8::new(0);
-
-impl Backend {
-    /// Every backend this build knows, best last.
-    pub const ALL: &'static [Backend] = &[Backend::Portable, Backend::Avx2, Backend::Avx512];
-
-    /// The best backend this CPU supports (detected once, then cached).
-    pub fn detect() -> Backend {
-        match DETECTED.load(Ordering::Relaxed) {
-            0 => {
-                let b = Self::detect_uncached();
-                DETECTED.store(b.id(), Ordering::Relaxed);
-                b
-            }
-            id => Self::from_id(id),
-        }
-    }
-
-    fn detect_uncached() -> Backend {
-        if let Ok(v) = std::env::var("KVQ_BACKEND") {
-            if let Some(b) = Self::ALL
-                .iter()
-                .find(|b| b.name() == v.to_ascii_lowercase())
-            {
-                if b.is_available() {
-                    return *b;
-                }
-            }
-        }
-        *Self::ALL
-            .iter()
-            .rev()
-            .find(|b| b.is_available())
-            .unwrap_or(&Backend::Portable)
-    }
-
-    fn id(self) -> u8 {
-        match self {
-            Backend::Portable => 1,
-            Backend::Avx2 => 2,
-            Backend::Avx512 => 3,
-        }
-    }
-    fn from_id(id: u8) -> Backend {
-        Self::ALL
-            .iter()
-            .copied()
-            .find(|b| b.id() == id)
-            .unwrap_or(Backend::Portable)
-    }
-
-    /// Whether this CPU can run it.
-    pub fn is_available(self) -> bool {
-        match self {
-            Backend::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Backend::Avx2 => x86_64::Avx2::new().is_some(),
-            #[cfg(target_arch = "x86_64")]
-            Backend::Avx512 => x86_64::Avx512::new().is_some(),
-            #[cfg(not(target_arch = "x86_64"))]
-            Backend::Avx2 | Backend::Avx512 => false,
-        }
-    }
-
-    /// Every backend this CPU can run.
-    pub fn available() -> Vec<Backend> {
-        Self::ALL
-            .iter()
-            .copied()
-            .filter(|b| b.is_available())
-            .collect()
-    }
-
-    /// Lowercase name (`"portable"`, `"avx2"`, `"avx512"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Portable => "portable",
-            Backend::Avx2 => "avx2",
-            Backend::Avx512 => "avx512",
-        }
-    }
-}
-
-fn check_queries(op: &'static str, hd: usize, q_len: usize) -> Result<usize> {
+pub(crate) fn check_queries(op: &'static str, hd: usize, q_len: usize) -> Result<usize> {
     if q_len == 0 || !q_len.is_multiple_of(hd) {
         return Err(Error::Length {
             op,
@@ -184,340 +162,6 @@ fn check_queries(op: &'static str, hd: usize, q_len: usize) -> Result<usize> {
         });
     }
     Ok(q_len / hd)
-}
-
-/// Attention logits of `n_q` queries against every key of a head, straight
-/// from packed codes: `out[i·tokens + t] = q_i · k̂_t` (unscaled).
-///
-/// `q` is `[n_q, head_dim]`; `out` is `[n_q, tokens]`. Uses
-/// [`Backend::detect`].
-///
-/// # Errors
-/// [`Error::Length`] when `q` is empty or not a multiple of `head_dim`, or
-/// `out` is not `n_q·tokens` long.
-///
-/// # Example: scores from packed keys
-/// ```
-/// use kvq::{kernels, Axis, Group, KvQuantizer, QuantScheme, UniformQuantizer};
-/// let q = UniformQuantizer::new(QuantScheme::new(4, Axis::PerChannel, Group::Size(32))?, 1, 64)?;
-/// let keys: Vec<f32> = (0..100 * 64).map(|i| ((i * 7919) % 13) as f32 - 6.0).collect();
-/// let packed = q.quantize(&keys, 100)?;
-/// let query = vec![0.5f32; 64];
-/// let mut logits = vec![0.0; 100];
-/// kernels::scores(&packed.head(0), &query, &mut logits)?;
-/// // The same number as attention over the dequantized keys:
-/// let k0 = &q.roundtrip(&keys, 100)?[..64];
-/// let want: f32 = k0.iter().map(|k| k * 0.5).sum();
-/// assert!((logits[0] - want).abs() < 1e-4);
-/// # Ok::<(), kvq::Error>(())
-/// ```
-pub fn scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) -> Result<()> {
-    scores_on(Backend::detect(), head, q, out)
-}
-
-/// [`scores`] on a chosen backend (falls back to portable if the CPU lacks it).
-///
-/// # Errors
-/// As [`scores`].
-pub fn scores_on(
-    backend: Backend,
-    head: &PackedHead<'_>,
-    q: &[f32],
-    out: &mut [f32],
-) -> Result<()> {
-    let nq = check_queries("scores", head.layout().head_dim(), q.len())?;
-    crate::quant::check_len("scores", "output logits", nq * head.tokens(), out.len())?;
-    #[cfg(target_arch = "x86_64")]
-    match backend {
-        Backend::Avx512 => {
-            if let Some(s) = x86_64::Avx512::new() {
-                s.scores(head, q, out);
-                return Ok(());
-            }
-        }
-        Backend::Avx2 => {
-            if let Some(s) = x86_64::Avx2::new() {
-                s.scores(head, q, out);
-                return Ok(());
-            }
-        }
-        Backend::Portable => {}
-    }
-    portable::scores(head, q, out);
-    Ok(())
-}
-
-/// Scores with an int8-quantized query — opt-in, faster, approximate.
-/// Uses [`Backend::detect`].
-///
-/// For per-channel keys with `head_dim` a multiple of 64 on a CPU with
-/// AVX-512 VNNI, each block's folded query `q'_c = q_c·scale_c` is rounded
-/// to int8 with one step `δ = max_c |q'_c| / 127`, `q̃_c = round(q'_c/δ)`,
-/// and multiplied into the unsigned codes with `vpdpbusd` (exact `i32`
-/// sums): `ŝ_t = δ·Σ_c q̃_c·code_tc + q·zero`. About 4x less work per token
-/// than the exact kernel, which matters when the cache is in L2/L3 rather
-/// than DRAM.
-///
-/// **Extra error**, against the exact score `s_t` of [`scores`]: the query
-/// rounding adds at most `δ/2` per channel, so
-/// `|ŝ_t − s_t| ≤ (δ/2)·Σ_c code_tc ≤ (δ/2)·head_dim·(2^bits − 1)`,
-/// and typically (independent roundings) about
-/// `δ·(Σ_c code_tc²/12)^½` — for 4-bit codes and head_dim 128, roughly
-/// `0.3 %` of `max_c |q'_c|·(2^bits − 1)·√head_dim`. Logits are scaled by
-/// `1/√head_dim` and then exponentiated, so check this against your
-/// model's tolerance (see `docs/PERFORMANCE.md` for measured numbers).
-///
-/// Everywhere else — per-token keys, other head dims, CPUs without VNNI,
-/// or another `backend` — this is exactly [`scores_on`].
-///
-/// # Errors
-/// As [`scores`].
-pub fn scores_i8(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) -> Result<()> {
-    scores_i8_on(Backend::detect(), head, q, out)
-}
-
-/// [`scores_i8`] on a chosen backend (the int8 kernel runs only for
-/// [`Backend::Avx512`] on a CPU with VNNI).
-///
-/// # Errors
-/// As [`scores`].
-pub fn scores_i8_on(
-    backend: Backend,
-    head: &PackedHead<'_>,
-    q: &[f32],
-    out: &mut [f32],
-) -> Result<()> {
-    #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512 && x86_64::Avx512Vnni::takes(head) {
-        if let Some(s) = x86_64::Avx512Vnni::new() {
-            let nq = check_queries("scores", head.layout().head_dim(), q.len())?;
-            crate::quant::check_len("scores", "output logits", nq * head.tokens(), out.len())?;
-            s.scores_i8(head, q, out);
-            return Ok(());
-        }
-    }
-    scores_on(backend, head, q, out)
-}
-
-/// Whether [`scores_i8_on`] runs the int8 (VNNI) kernel for this head on
-/// this backend and CPU, rather than the exact one.
-pub fn scores_i8_is_int8(backend: Backend, head: &PackedHead<'_>) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        backend == Backend::Avx512
-            && x86_64::Avx512Vnni::takes(head)
-            && x86_64::Avx512Vnni::new().is_some()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (backend, head);
-        false
-    }
-}
-
-/// Attention-weighted sum of a head's values, straight from packed codes:
-/// `out_i += Σ_t p[i·tokens + t] · v̂_t` (accumulates into `out`).
-///
-/// `p` is `[n_q, tokens]`; `out` is `[n_q, head_dim]`. Uses
-/// [`Backend::detect`].
-///
-/// # Errors
-/// [`Error::Length`] when `out` is empty or not a multiple of `head_dim`, or
-/// `p` is not `n_q·tokens` long.
-pub fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) -> Result<()> {
-    weighted_sum_on(Backend::detect(), head, p, out)
-}
-
-/// [`weighted_sum`] on a chosen backend.
-///
-/// # Errors
-/// As [`weighted_sum`].
-pub fn weighted_sum_on(
-    backend: Backend,
-    head: &PackedHead<'_>,
-    p: &[f32],
-    out: &mut [f32],
-) -> Result<()> {
-    let nq = check_queries("weighted_sum", head.layout().head_dim(), out.len())?;
-    crate::quant::check_len("weighted_sum", "probabilities", nq * head.tokens(), p.len())?;
-    #[cfg(target_arch = "x86_64")]
-    match backend {
-        Backend::Avx512 => {
-            if let Some(s) = x86_64::Avx512::new() {
-                s.weighted_sum(head, p, out);
-                return Ok(());
-            }
-        }
-        Backend::Avx2 => {
-            if let Some(s) = x86_64::Avx2::new() {
-                s.weighted_sum(head, p, out);
-                return Ok(());
-            }
-        }
-        Backend::Portable => {}
-    }
-    portable::weighted_sum(head, p, out);
-    Ok(())
-}
-
-/// Weighted sum with int8-quantized weights — opt-in, faster, approximate.
-/// Uses [`Backend::detect`].
-///
-/// For per-token values of 4 bits (`head_dim` 128 or 256) or 8 bits (64,
-/// 128 or 256) in groups of a multiple of 16 channels, on a CPU with
-/// AVX-512 VNNI: per query, per tile of 16 tokens and per group `g`, the
-/// weights `w_t = p_t·scale_tg` are rounded to int8 with one step
-/// `δ = max_t |w_t| / 127`, `w̃_t = round(w_t/δ)`, and multiplied into the
-/// unsigned codes with `vpdpbusd` four tokens at a time (exact `i32`
-/// sums): `out_c += δ·Σ_t w̃_t·code_tc + Σ_t p_t·zero_tg` (the zero sums
-/// exact in `f32`). About half the work per token of the exact kernel. One
-/// query per call: with several (GQA), this is the exact kernel (see
-/// [`weighted_sum_i8_is_int8`]).
-///
-/// **Extra error**, against the exact [`weighted_sum`]: the rounding adds
-/// at most `δ/2` per token and group, so per channel
-/// `|ô_c − o_c| ≤ Σ_tiles (δ_g/2)·Σ_t code_tc ≤ Σ_tiles (δ_g/2)·16·(2^bits − 1)`,
-/// and typically (independent roundings) `δ·(Σ_t code_tc²/12)^½` per tile:
-/// small next to the weight of the tile's heaviest token. With softmax
-/// weights most of the output comes from a few heavy tokens, which keep
-/// about 7 bits; `docs/PERFORMANCE.md` has measured attention-output
-/// errors. Non-finite weights give an unspecified (but not undefined)
-/// result.
-///
-/// Everywhere else — per-channel values, other widths or head dims, CPUs
-/// without VNNI, or another `backend` — this is exactly [`weighted_sum_on`].
-///
-/// # Errors
-/// As [`weighted_sum`].
-pub fn weighted_sum_i8(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) -> Result<()> {
-    weighted_sum_i8_on(Backend::detect(), head, p, out)
-}
-
-/// [`weighted_sum_i8`] on a chosen backend (the int8 kernel runs only for
-/// [`Backend::Avx512`] on a CPU with VNNI).
-///
-/// # Errors
-/// As [`weighted_sum`].
-pub fn weighted_sum_i8_on(
-    backend: Backend,
-    head: &PackedHead<'_>,
-    p: &[f32],
-    out: &mut [f32],
-) -> Result<()> {
-    #[cfg(target_arch = "x86_64")]
-    if weighted_sum_i8_is_int8(backend, head, out.len() / head.layout().head_dim().max(1)) {
-        if let Some(s) = x86_64::Avx512Vnni::new() {
-            let nq = check_queries("weighted_sum", head.layout().head_dim(), out.len())?;
-            crate::quant::check_len("weighted_sum", "probabilities", nq * head.tokens(), p.len())?;
-            s.weighted_sum_i8(head, p, out);
-            return Ok(());
-        }
-    }
-    weighted_sum_on(backend, head, p, out)
-}
-
-/// Whether [`weighted_sum_i8_on`] runs the int8 (VNNI) kernel for this
-/// head, `n_q` queries, this backend and CPU, rather than the exact one.
-/// Only one query per call takes the int8 kernel: several queries (GQA)
-/// share each unpacked row in the exact fused kernel, which is faster
-/// for them than one int8 pass per query (measured in
-/// `docs/PERFORMANCE.md`).
-pub fn weighted_sum_i8_is_int8(backend: Backend, head: &PackedHead<'_>, n_q: usize) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        n_q == 1
-            && backend == Backend::Avx512
-            && x86_64::Avx512Vnni::takes_ws(head)
-            && x86_64::Avx512Vnni::new().is_some()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (backend, head, n_q);
-        false
-    }
-}
-
-/// The numerically stable softmax of attention logits, in place:
-/// `x_t ← e^(x_t − max) / Σ_u e^(x_u − max)`. Uses [`Backend::detect`].
-///
-/// The SIMD backends evaluate `e^x` with a vectorized Cephes `expf`
-/// (within 2 ulp of the true value; `0` below `e^-87.3`, where `f32` is
-/// subnormal), about 20x faster than the scalar `f32::exp` the portable
-/// backend uses; the two agree to about `1e-6` relative. An empty `x` is
-/// left as is.
-///
-/// # Example: attention weights
-/// ```
-/// let mut x = vec![1.0f32, 2.0, 3.0];
-/// kvq::kernels::softmax(&mut x);
-/// assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
-/// assert!((x[2] - 0.665_240_9).abs() < 1e-6);
-/// ```
-pub fn softmax(x: &mut [f32]) {
-    softmax_on(Backend::detect(), x)
-}
-
-/// [`softmax`] on a chosen backend.
-pub fn softmax_on(backend: Backend, x: &mut [f32]) {
-    if x.is_empty() {
-        return;
-    }
-    let (_, sum) = softmax_parts_on(backend, x);
-    let inv = 1.0 / sum;
-    #[cfg(target_arch = "x86_64")]
-    match backend {
-        Backend::Avx512 => {
-            if let Some(s) = x86_64::Avx512::new() {
-                return s.scale(x, inv);
-            }
-        }
-        Backend::Avx2 => {
-            if let Some(s) = x86_64::Avx2::new() {
-                return s.scale(x, inv);
-            }
-        }
-        Backend::Portable => {}
-    }
-    x.iter_mut().for_each(|v| *v *= inv);
-}
-
-/// The unnormalized half of a softmax, for merging chunks
-/// (flash-decoding): `x_t ← e^(x_t − m)` with `m = max_t x_t`, returning
-/// `(m, Σ_t e^(x_t − m))`. Returns `(-inf, 0)` for an empty `x`.
-///
-/// Two chunks `(m₁, s₁)`, `(m₂, s₂)` with weighted sums `o₁`, `o₂` combine
-/// as `m = max(m₁, m₂)`, `s = s₁·e^(m₁−m) + s₂·e^(m₂−m)`,
-/// `o = (o₁·e^(m₁−m) + o₂·e^(m₂−m)) / s`.
-pub fn softmax_parts(x: &mut [f32]) -> (f32, f32) {
-    softmax_parts_on(Backend::detect(), x)
-}
-
-/// [`softmax_parts`] on a chosen backend.
-pub fn softmax_parts_on(backend: Backend, x: &mut [f32]) -> (f32, f32) {
-    if x.is_empty() {
-        return (f32::NEG_INFINITY, 0.0);
-    }
-    #[cfg(target_arch = "x86_64")]
-    match backend {
-        Backend::Avx512 => {
-            if let Some(s) = x86_64::Avx512::new() {
-                return s.softmax_parts(x);
-            }
-        }
-        Backend::Avx2 => {
-            if let Some(s) = x86_64::Avx2::new() {
-                return s.softmax_parts(x);
-            }
-        }
-        Backend::Portable => {}
-    }
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - m).exp();
-        sum += *v;
-    }
-    (m, sum)
 }
 
 #[cfg(test)]

@@ -10,86 +10,10 @@
 //! produces **bit-identical** packed bytes (tested in
 //! `tests/kernels_backends.rs`); only the speed differs.
 
-use super::Simd;
-use super::{Avx2, Avx512};
-use crate::error::Result;
-use crate::quant::{self, code_of, QuantOps};
-use crate::scheme::{Layout, QuantScheme, ScaleFormat};
-
-/// Generates the safe methods on a feature token and their
-/// `#[target_feature]` entry points.
-macro_rules! quantize_entries {
-    ($tok:ident, $feat:literal, $token_fn:ident, $block_fn:ident) => {
-        impl $tok {
-            /// [`quant::quantize_token_generic`] compiled for this token's
-            /// features.
-            pub(crate) fn quantize_token(
-                self,
-                l: &Layout,
-                x: &[f32],
-                token: usize,
-                codes: &mut [u8],
-                params: &mut [u8],
-            ) -> Result<()> {
-                // SAFETY: holding `self` proves the CPU has every feature
-                // the entry point enables; the body is safe code.
-                unsafe { $token_fn(self, l, x, token, codes, params) }
-            }
-
-            /// [`quant::quantize_channel_block_generic`] compiled for this
-            /// token's features.
-            #[allow(clippy::too_many_arguments)]
-            pub(crate) fn quantize_channel_block(
-                self,
-                l: &Layout,
-                rows: &[f32],
-                tb: usize,
-                h: usize,
-                token0: usize,
-                codes: &mut [u8],
-                params: &mut [u8],
-            ) -> Result<()> {
-                // SAFETY: as in `quantize_token`.
-                unsafe { $block_fn(self, l, rows, tb, h, token0, codes, params) }
-            }
-        }
-
-        #[target_feature(enable = $feat)]
-        unsafe fn $token_fn(
-            s: $tok,
-            l: &Layout,
-            x: &[f32],
-            token: usize,
-            codes: &mut [u8],
-            params: &mut [u8],
-        ) -> Result<()> {
-            quant::quantize_token_generic(s, l, x, token, codes, params)
-        }
-
-        #[target_feature(enable = $feat)]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn $block_fn(
-            s: $tok,
-            l: &Layout,
-            rows: &[f32],
-            tb: usize,
-            h: usize,
-            token0: usize,
-            codes: &mut [u8],
-            params: &mut [u8],
-        ) -> Result<()> {
-            quant::quantize_channel_block_generic(s, l, rows, tb, h, token0, codes, params)
-        }
-    };
-}
-
-quantize_entries!(Avx2, "avx2,fma,f16c", token_avx2, block_avx2);
-quantize_entries!(
-    Avx512,
-    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
-    token_avx512,
-    block_avx512
-);
+use crate::quant::{code_of, QuantOps, Scalar};
+use crate::scheme::{Mode, QuantScheme, ScaleFormat};
+use crate::simd::x86_64::{Avx512, Simd};
+use core::arch::x86_64::*;
 
 /// [`QuantOps::min_max_finite`] over `S` vectors, scalar tail.
 #[inline(always)]
@@ -152,49 +76,34 @@ fn codes<S: Simd>(
     }
 }
 
-/// The vector [`QuantOps`] of a feature token.
-macro_rules! quant_ops {
-    ($tok:ident $(, { $($extra:tt)* })?) => {
-        impl QuantOps for $tok {
-            $($($extra)*)?
-            #[inline(always)]
-            fn min_max_finite(self, x: &[f32]) -> (f32, f32, bool) {
-                min_max_finite(self, x)
+/// The vector [`QuantOps`] of every token; AVX-512 also vectorizes the
+/// group params and their stores (bit-identical to the scalar code).
+impl<S: Simd> QuantOps for S {
+    #[inline(always)]
+    fn min_max_finite(self, x: &[f32]) -> (f32, f32, bool) {
+        min_max_finite(self, x)
+    }
+    #[inline(always)]
+    fn codes(self, xs: &[f32], inv_scale: f32, zero: f32, max_code: f32, out: &mut [u8]) {
+        let (vi, vz) = (self.splat(inv_scale), self.splat(zero));
+        codes(self, xs, out, max_code, |_| (vi, vz), |_| (inv_scale, zero));
+    }
+    #[inline(always)]
+    fn codes_pc(self, xs: &[f32], inv: &[f32], zero: &[f32], max_code: f32, out: &mut [u8]) {
+        let n = xs.len().min(out.len());
+        let (inv, zero) = (&inv[..n], &zero[..n]);
+        let v = |i: usize| {
+            // SAFETY: `codes` asks for lanes `i..i+L ≤ n` only, and both
+            // slices hold `n` floats.
+            unsafe {
+                (
+                    self.load(inv.as_ptr().add(i)),
+                    self.load(zero.as_ptr().add(i)),
+                )
             }
-            #[inline(always)]
-            fn codes(self, xs: &[f32], inv_scale: f32, zero: f32, max_code: f32, out: &mut [u8]) {
-                let (vi, vz) = (self.splat(inv_scale), self.splat(zero));
-                codes(self, xs, out, max_code, |_| (vi, vz), |_| (inv_scale, zero));
-            }
-            #[inline(always)]
-            fn codes_pc(
-                self,
-                xs: &[f32],
-                inv: &[f32],
-                zero: &[f32],
-                max_code: f32,
-                out: &mut [u8],
-            ) {
-                let n = xs.len().min(out.len());
-                let (inv, zero) = (&inv[..n], &zero[..n]);
-                let v = |i: usize| {
-                    // SAFETY: `codes` asks for lanes `i..i+L ≤ n` only,
-                    // and both slices hold `n` floats.
-                    unsafe {
-                        (
-                            self.load(inv.as_ptr().add(i)),
-                            self.load(zero.as_ptr().add(i)),
-                        )
-                    }
-                };
-                codes(self, xs, out, max_code, v, |i| (inv[i], zero[i]));
-            }
-        }
-    };
-}
-
-quant_ops!(Avx2);
-quant_ops!(Avx512, {
+        };
+        codes(self, xs, out, max_code, v, |i| (inv[i], zero[i]));
+    }
     #[inline(always)]
     fn group_params(
         self,
@@ -204,17 +113,200 @@ quant_ops!(Avx512, {
         scales: &mut [f32],
         zeros: &mut [f32],
     ) -> std::result::Result<(), usize> {
-        Avx512::group_params(self, s, mins, maxs, scales, zeros)
+        match self.avx512() {
+            Some(a) => a.group_params(s, mins, maxs, scales, zeros),
+            None => Scalar.group_params(s, mins, maxs, scales, zeros),
+        }
     }
     #[inline(always)]
     fn write_params(self, fmt: ScaleFormat, vals: &[f32], out: &mut [u8]) {
-        Avx512::write_params(self, fmt, vals, out)
+        match self.avx512() {
+            Some(a) => a.write_params(fmt, vals, out),
+            None => Scalar.write_params(fmt, vals, out),
+        }
     }
-});
+}
+
+/// Rounding immediates for the embedded-rounding and F16C conversions.
+const UP: i32 = _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC;
+
+impl Avx512 {
+    /// [`crate::quant::group_params`] of every group, eight at a time: the same
+    /// IEEE operations in the same order (f64 subtract and divide, f64→f32
+    /// rounded up by the conversion's embedded rounding, f32→f16 rounded
+    /// by F16C's immediate, f32→bf16 in integers), so the results are
+    /// bit-identical to the scalar code. The last `< 8` groups take the
+    /// scalar code. See [`QuantOps::group_params`].
+    #[inline(always)]
+    pub(crate) fn group_params(
+        self,
+        s: &QuantScheme,
+        mins: &[f32],
+        maxs: &[f32],
+        scales: &mut [f32],
+        zeros: &mut [f32],
+    ) -> Result<(), usize> {
+        let n = mins.len();
+        assert!(maxs.len() >= n && scales.len() >= n && zeros.len() >= n);
+        let fmt = s.scale_format();
+        let bits = s.bits() as u32;
+        let sym = s.mode() == Mode::Symmetric;
+        let levels = ((1u32 << bits) - 1) as f32;
+        let qmax = ((1u32 << (bits - 1)) - 1) as f64;
+        let half = (1u32 << (bits - 1)) as f32;
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: lanes `i..i+8 ≤ n` of slices of at least `n` floats
+            // (asserted above); `self` proves AVX-512F/VL and F16C.
+            let bad = unsafe {
+                let mn = _mm256_loadu_ps(mins.as_ptr().add(i));
+                let mx = _mm256_loadu_ps(maxs.as_ptr().add(i));
+                let vl = _mm256_set1_ps(levels);
+                let (scale, zero, bad) = if sym {
+                    let am = _mm256_max_ps(abs8(mn), abs8(mx));
+                    let d = _mm512_div_pd(_mm512_cvtps_pd(am), _mm512_set1_pd(qmax));
+                    let scale = up_fmt(fmt, _mm512_cvt_roundpd_ps::<UP>(d));
+                    let zero = _mm256_mul_ps(neg8(scale), _mm256_set1_ps(half));
+                    let top = _mm256_mul_ps(scale, vl);
+                    (
+                        scale,
+                        zero,
+                        nonfinite8(scale) | nonfinite8(zero) | nonfinite8(top),
+                    )
+                } else {
+                    // round_down(x) = −round_up(−x); `min` is an f32, so only
+                    // the format rounds.
+                    let zero = neg8(up_fmt(fmt, neg8(mn)));
+                    let diff = _mm512_sub_pd(_mm512_cvtps_pd(mx), _mm512_cvtps_pd(zero));
+                    let d = _mm512_div_pd(diff, _mm512_set1_pd(levels as f64));
+                    let scale = up_fmt(fmt, _mm512_cvt_roundpd_ps::<UP>(d));
+                    let top = _mm256_add_ps(_mm256_mul_ps(scale, vl), zero);
+                    (
+                        scale,
+                        zero,
+                        nonfinite8(zero) | nonfinite8(scale) | nonfinite8(top),
+                    )
+                };
+                _mm256_storeu_ps(scales.as_mut_ptr().add(i), scale);
+                _mm256_storeu_ps(zeros.as_mut_ptr().add(i), zero);
+                bad
+            };
+            if bad != 0 {
+                return Err(i + bad.trailing_zeros() as usize);
+            }
+            i += 8;
+        }
+        Scalar
+            .group_params(
+                s,
+                &mins[i..n],
+                &maxs[i..n],
+                &mut scales[i..n],
+                &mut zeros[i..n],
+            )
+            .map_err(|j| i + j)
+    }
+
+    /// [`QuantOps::write_params`] eight values at a time (exact
+    /// conversions: every value is representable), scalar tail.
+    #[inline(always)]
+    pub(crate) fn write_params(self, fmt: ScaleFormat, vals: &[f32], out: &mut [u8]) {
+        let fb = fmt.bytes();
+        let n = vals.len();
+        assert!(out.len() >= n * fb);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: reads floats `i..i+8 ≤ n`, writes bytes `i·fb..(i+8)·fb
+            // ≤ n·fb` (asserted); AVX-512F/VL, F16C.
+            unsafe {
+                let v = _mm256_loadu_ps(vals.as_ptr().add(i));
+                let dst = out.as_mut_ptr().add(i * fb);
+                match fmt {
+                    ScaleFormat::F16 => {
+                        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_POS_INF>(v);
+                        _mm_storeu_si128(dst as *mut __m128i, h)
+                    }
+                    ScaleFormat::Bf16 => {
+                        let h = _mm256_srli_epi32::<16>(_mm256_castps_si256(v));
+                        _mm_storeu_si128(dst as *mut __m128i, _mm256_cvtepi32_epi16(h))
+                    }
+                    ScaleFormat::F32 => _mm256_storeu_ps(dst as *mut f32, v),
+                }
+            }
+            i += 8;
+        }
+        Scalar.write_params(fmt, &vals[i..], &mut out[i * fb..]);
+    }
+}
+
+/// `|x|` lanewise.
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+unsafe fn abs8(x: __m256) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        _mm256_castsi256_ps(_mm256_and_si256(
+            _mm256_castps_si256(x),
+            _mm256_set1_epi32(0x7FFF_FFFF),
+        ))
+    }
+}
+
+/// `−x` lanewise (sign flip, exact).
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+unsafe fn neg8(x: __m256) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe { _mm256_xor_ps(x, _mm256_set1_ps(-0.0)) }
+}
+
+/// Bit `k` set where lane `k` is NaN or ±inf.
+///
+/// # Safety
+/// AVX-512F/VL.
+#[inline(always)]
+unsafe fn nonfinite8(x: __m256) -> u8 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let e = _mm256_set1_epi32(0x7F80_0000);
+        _mm256_cmpeq_epi32_mask(_mm256_and_si256(_mm256_castps_si256(x), e), e)
+    }
+}
+
+/// `ScaleFormat::round_up` of f32 lanes: the least number of the format
+/// that is `≥ x` (f16 by F16C's round-up immediate, which saturates and
+/// makes subnormals as the scalar code does; bf16 by truncating the low 16
+/// bits and stepping positive inexact values up).
+///
+/// # Safety
+/// AVX-512F/VL, F16C.
+#[inline(always)]
+unsafe fn up_fmt(fmt: ScaleFormat, x: __m256) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match fmt {
+            ScaleFormat::F32 => x,
+            ScaleFormat::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_POS_INF>(x)),
+            ScaleFormat::Bf16 => {
+                let b = _mm256_castps_si256(x);
+                let t = _mm256_srli_epi32::<16>(b);
+                let step = _mm256_test_epi32_mask(b, _mm256_set1_epi32(0xFFFF))
+                    & _mm256_cmpge_epi32_mask(b, _mm256_setzero_si256());
+                let t = _mm256_mask_add_epi32(t, step, t, _mm256_set1_epi32(1));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(t))
+            }
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant;
     use crate::scheme::{Axis, Group, Mode};
 
     /// xorshift64.

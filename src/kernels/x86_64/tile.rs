@@ -1326,7 +1326,7 @@ unsafe fn block_queries_f16<S: Simd>(
 /// [`super::check_head`]`(head, q.len(), out.len())` passed; `HD` is 0 or
 /// the head's `head_dim`.
 #[inline(always)]
-pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
+pub(crate) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
     s: S,
     head: &PackedHead<'_>,
     q: &[f32],
@@ -1547,7 +1547,7 @@ pub(super) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
 /// [`super::check_head`]`(head, out.len(), p.len())` passed; `HD` is 0 or
 /// the head's `head_dim`.
 #[inline(always)]
-pub(super) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
+pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
     s: S,
     head: &PackedHead<'_>,
     p: &[f32],
@@ -2290,7 +2290,7 @@ impl Ahead {
 /// Panics unless `k.len()`, `q.len()` are multiples of `hd` and
 /// `out.len() = n_q·tokens`.
 #[inline(always)]
-pub(super) fn dense_scores<S: Simd, E: DenseElem>(
+pub(crate) fn dense_scores<S: Simd, E: DenseElem>(
     s: S,
     hd: usize,
     k: &[E],
@@ -2365,7 +2365,7 @@ pub(super) fn dense_scores<S: Simd, E: DenseElem>(
 /// Panics unless `v.len()`, `out.len()` are multiples of `hd` and
 /// `p.len() = n_q·tokens`.
 #[inline(always)]
-pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(
+pub(crate) fn dense_weighted_sum<S: Simd, E: DenseElem>(
     s: S,
     hd: usize,
     v: &[E],
@@ -2447,7 +2447,7 @@ pub(super) fn dense_weighted_sum<S: Simd, E: DenseElem>(
 /// `x ← e^(x − max)`, returning `(max, Σ)`; see
 /// [`crate::kernels::softmax_parts`].
 #[inline(always)]
-pub(super) fn softmax_parts<S: Simd>(s: S, x: &mut [f32]) -> (f32, f32) {
+pub(crate) fn softmax_parts<S: Simd>(s: S, x: &mut [f32]) -> (f32, f32) {
     let n = x.len();
     let body = n / S::L * S::L;
     let p = x.as_mut_ptr();
@@ -2485,7 +2485,7 @@ pub(super) fn softmax_parts<S: Simd>(s: S, x: &mut [f32]) -> (f32, f32) {
 
 /// `x ← x·k`.
 #[inline(always)]
-pub(super) fn scale_in_place<S: Simd>(s: S, x: &mut [f32], k: f32) {
+pub(crate) fn scale_in_place<S: Simd>(s: S, x: &mut [f32], k: f32) {
     let n = x.len();
     let body = n / S::L * S::L;
     let p = x.as_mut_ptr();

@@ -1,11 +1,9 @@
-//! AVX2 kernels: 256-bit vectors, 8 lanes, tiles of 8 tokens.
+//! AVX2 vocabulary: 256-bit vectors, 8 lanes, tiles of 8 tokens.
 //!
 //! Needs AVX2, FMA and F16C (Haswell and later, Zen and later).
 //! Everything in this file may use those instructions and no others.
 
-use super::tile::{self, DenseElem};
 use super::Simd;
-use crate::store::PackedHead;
 use core::arch::x86_64::*;
 
 /// Blocks of 32 codes in a row [`Code3`] covers (head dims up to 512).
@@ -44,155 +42,12 @@ unsafe fn plane_block(p: *const u8, m: usize, k: usize) -> __m256i {
 pub(crate) struct Avx2(());
 
 impl Avx2 {
-    /// `Some` only when the CPU has AVX2, FMA and F16C.
+    /// `Some` only when the CPU has AVX2, FMA and F16C (read once, see
+    /// [`super::Cpu`]).
     #[inline]
     pub(crate) fn new() -> Option<Avx2> {
-        let ok = is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c");
-        ok.then_some(Avx2(()))
+        super::Cpu::get().on_avx2.then_some(Avx2(()))
     }
-
-    /// Packed scores (see [`crate::kernels::scores`]).
-    ///
-    /// # Panics
-    /// If the lengths do not fit the head (the public wrappers have
-    /// already returned an error for those).
-    pub(crate) fn scores(self, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
-        super::check_head(head, q.len(), out.len());
-        // SAFETY: `self` proves the features `scores_entry` enables;
-        // `check_head` asserted the lengths its raw loops rely on.
-        unsafe { scores_entry(self, head, q, out) }
-    }
-
-    /// Packed weighted sum (see [`crate::kernels::weighted_sum`]).
-    ///
-    /// # Panics
-    /// As [`scores`](Self::scores).
-    pub(crate) fn weighted_sum(self, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
-        super::check_head(head, out.len(), p.len());
-        // SAFETY: as in `scores`.
-        unsafe { weighted_sum_entry(self, head, p, out) }
-    }
-
-    /// `x ← e^(x − max)`, returning `(max, Σ)`.
-    pub(crate) fn softmax_parts(self, x: &mut [f32]) -> (f32, f32) {
-        // SAFETY: `self` proves the features; the kernel is safe code otherwise.
-        unsafe { softmax_parts_entry(self, x) }
-    }
-
-    /// `x ← x·k`.
-    pub(crate) fn scale(self, x: &mut [f32], k: f32) {
-        // SAFETY: `self` proves the features.
-        unsafe { scale_entry(self, x, k) }
-    }
-
-    /// Dense scores over `[tokens, hd]` keys.
-    pub(crate) fn dense_scores<E: DenseElem>(self, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
-        // SAFETY: `self` proves the features; the kernel asserts lengths.
-        unsafe { dense_scores_entry(self, hd, k, q, out) }
-    }
-
-    /// Dense weighted sum over `[tokens, hd]` values.
-    pub(crate) fn dense_weighted_sum<E: DenseElem>(
-        self,
-        hd: usize,
-        v: &[E],
-        p: &[f32],
-        out: &mut [f32],
-    ) {
-        // SAFETY: `self` proves the features; the kernel asserts lengths.
-        unsafe { dense_weighted_sum_entry(self, hd, v, p, out) }
-    }
-}
-
-/// # Safety
-/// The CPU has the enabled features; `check_head(head, q.len(), out.len())` passed.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_entry(s: Avx2, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
-    // SAFETY: the caller's contract, passed on.
-    unsafe { by_shape!([(4, 128), (8, 128)], scores_b, head, (s, head, q, out)) }
-}
-
-/// # Safety
-/// As [`scores_entry`].
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_b<const B: u8, const HD: usize>(
-    s: Avx2,
-    head: &PackedHead<'_>,
-    q: &[f32],
-    out: &mut [f32],
-) {
-    // SAFETY: the caller's contract, passed on.
-    unsafe { tile::scores::<Avx2, B, HD>(s, head, q, out) }
-}
-
-/// # Safety
-/// The CPU has the enabled features; `check_head(head, out.len(), p.len())` passed.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn weighted_sum_entry(s: Avx2, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
-    // SAFETY: the caller's contract, passed on.
-    unsafe {
-        by_shape!(
-            [(4, 128), (8, 128)],
-            weighted_sum_b,
-            head,
-            (s, head, p, out)
-        )
-    }
-}
-
-/// # Safety
-/// As [`weighted_sum_entry`].
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn weighted_sum_b<const B: u8, const HD: usize>(
-    s: Avx2,
-    head: &PackedHead<'_>,
-    p: &[f32],
-    out: &mut [f32],
-) {
-    // SAFETY: the caller's contract, passed on.
-    unsafe { tile::weighted_sum::<Avx2, B, HD>(s, head, p, out) }
-}
-
-/// # Safety
-/// The CPU has the enabled features.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dense_scores_entry<E: DenseElem>(
-    s: Avx2,
-    hd: usize,
-    k: &[E],
-    q: &[f32],
-    out: &mut [f32],
-) {
-    tile::dense_scores(s, hd, k, q, out)
-}
-
-/// # Safety
-/// The CPU has the enabled features.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dense_weighted_sum_entry<E: DenseElem>(
-    s: Avx2,
-    hd: usize,
-    v: &[E],
-    p: &[f32],
-    out: &mut [f32],
-) {
-    tile::dense_weighted_sum(s, hd, v, p, out)
-}
-
-/// # Safety
-/// The CPU has the enabled features.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn softmax_parts_entry(s: Avx2, x: &mut [f32]) -> (f32, f32) {
-    tile::softmax_parts(s, x)
-}
-
-/// # Safety
-/// The CPU has the enabled features.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scale_entry(s: Avx2, x: &mut [f32], k: f32) {
-    tile::scale_in_place(s, x, k)
 }
 
 // SAFETY: an `Avx2` exists only when `Avx2::new` found every feature the

@@ -1,14 +1,10 @@
-//! AVX-512 kernels: 512-bit vectors, 16 lanes, tiles of 16 tokens.
+//! AVX-512 vocabulary: 512-bit vectors, 16 lanes, tiles of 16 tokens.
 //!
 //! Needs AVX-512F, BW and VL (plus AVX2, FMA and F16C, which every AVX-512
 //! CPU has). Everything in this file may use those instructions and no
 //! others.
 
-use super::tile::{self, DenseElem};
 use super::Simd;
-use crate::quant::{QuantOps, Scalar};
-use crate::scheme::{Mode, QuantScheme, ScaleFormat};
-use crate::store::PackedHead;
 use core::arch::x86_64::*;
 
 /// Blocks of 64 codes in a row [`Code3`] covers (head dims up to 512).
@@ -47,165 +43,12 @@ unsafe fn plane_block(p: *const u8, m: usize, k: usize) -> __m512i {
 pub(crate) struct Avx512(());
 
 impl Avx512 {
-    /// `Some` only when the CPU has AVX-512F/BW/VL, AVX2, FMA and F16C.
+    /// `Some` only when the CPU has AVX-512F/BW/VL, AVX2, FMA and F16C (read once, see
+    /// [`super::Cpu`]).
     #[inline]
     pub(crate) fn new() -> Option<Avx512> {
-        let ok = is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c");
-        ok.then_some(Avx512(()))
+        super::Cpu::get().on_avx512.then_some(Avx512(()))
     }
-
-    /// Packed scores (see [`crate::kernels::scores`]).
-    ///
-    /// # Panics
-    /// If the lengths do not fit the head (the public wrappers have
-    /// already returned an error for those).
-    pub(crate) fn scores(self, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
-        super::check_head(head, q.len(), out.len());
-        // SAFETY: `self` proves the features `scores_entry` enables;
-        // `check_head` asserted the lengths its raw loops rely on.
-        unsafe { scores_entry(self, head, q, out) }
-    }
-
-    /// Packed weighted sum (see [`crate::kernels::weighted_sum`]).
-    ///
-    /// # Panics
-    /// As [`scores`](Self::scores).
-    pub(crate) fn weighted_sum(self, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
-        super::check_head(head, out.len(), p.len());
-        // SAFETY: as in `scores`.
-        unsafe { weighted_sum_entry(self, head, p, out) }
-    }
-
-    /// `x ← e^(x − max)`, returning `(max, Σ)`.
-    pub(crate) fn softmax_parts(self, x: &mut [f32]) -> (f32, f32) {
-        // SAFETY: `self` proves the features; the kernel is safe code otherwise.
-        unsafe { softmax_parts_entry(self, x) }
-    }
-
-    /// `x ← x·k`.
-    pub(crate) fn scale(self, x: &mut [f32], k: f32) {
-        // SAFETY: `self` proves the features.
-        unsafe { scale_entry(self, x, k) }
-    }
-
-    /// Dense scores over `[tokens, hd]` keys.
-    pub(crate) fn dense_scores<E: DenseElem>(self, hd: usize, k: &[E], q: &[f32], out: &mut [f32]) {
-        // SAFETY: `self` proves the features; the kernel asserts lengths.
-        unsafe { dense_scores_entry(self, hd, k, q, out) }
-    }
-
-    /// Dense weighted sum over `[tokens, hd]` values.
-    pub(crate) fn dense_weighted_sum<E: DenseElem>(
-        self,
-        hd: usize,
-        v: &[E],
-        p: &[f32],
-        out: &mut [f32],
-    ) {
-        // SAFETY: `self` proves the features; the kernel asserts lengths.
-        unsafe { dense_weighted_sum_entry(self, hd, v, p, out) }
-    }
-}
-
-/// # Safety
-/// The CPU has the enabled features; `check_head(head, q.len(), out.len())` passed.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn scores_entry(s: Avx512, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
-    // SAFETY: the caller's contract, passed on.
-    unsafe {
-        by_shape!(
-            [(2, 128), (3, 128), (4, 128), (8, 128)],
-            scores_b,
-            head,
-            (s, head, q, out)
-        )
-    }
-}
-
-/// # Safety
-/// As [`scores_entry`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn scores_b<const B: u8, const HD: usize>(
-    s: Avx512,
-    head: &PackedHead<'_>,
-    q: &[f32],
-    out: &mut [f32],
-) {
-    // SAFETY: the caller's contract, passed on.
-    unsafe { tile::scores::<Avx512, B, HD>(s, head, q, out) }
-}
-
-/// # Safety
-/// The CPU has the enabled features; `check_head(head, out.len(), p.len())` passed.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn weighted_sum_entry(s: Avx512, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
-    // SAFETY: the caller's contract, passed on.
-    unsafe {
-        by_shape!(
-            [(2, 128), (3, 128), (4, 128), (8, 128)],
-            weighted_sum_b,
-            head,
-            (s, head, p, out)
-        )
-    }
-}
-
-/// # Safety
-/// As [`weighted_sum_entry`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn weighted_sum_b<const B: u8, const HD: usize>(
-    s: Avx512,
-    head: &PackedHead<'_>,
-    p: &[f32],
-    out: &mut [f32],
-) {
-    // SAFETY: the caller's contract, passed on.
-    unsafe { tile::weighted_sum::<Avx512, B, HD>(s, head, p, out) }
-}
-
-/// # Safety
-/// The CPU has the enabled features.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dense_scores_entry<E: DenseElem>(
-    s: Avx512,
-    hd: usize,
-    k: &[E],
-    q: &[f32],
-    out: &mut [f32],
-) {
-    tile::dense_scores(s, hd, k, q, out)
-}
-
-/// # Safety
-/// The CPU has the enabled features.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dense_weighted_sum_entry<E: DenseElem>(
-    s: Avx512,
-    hd: usize,
-    v: &[E],
-    p: &[f32],
-    out: &mut [f32],
-) {
-    tile::dense_weighted_sum(s, hd, v, p, out)
-}
-
-/// # Safety
-/// The CPU has the enabled features.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn softmax_parts_entry(s: Avx512, x: &mut [f32]) -> (f32, f32) {
-    tile::softmax_parts(s, x)
-}
-
-/// # Safety
-/// The CPU has the enabled features.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn scale_entry(s: Avx512, x: &mut [f32], k: f32) {
-    tile::scale_in_place(s, x, k)
 }
 
 // SAFETY: an `Avx512` exists only when `Avx512::new` found every feature
@@ -216,6 +59,11 @@ unsafe impl Simd for Avx512 {
     type F = __m512;
     type I = __m512i;
     type C3 = Code3;
+
+    #[inline(always)]
+    fn avx512(self) -> Option<Avx512> {
+        Some(self)
+    }
 
     #[inline(always)]
     fn zero(self) -> __m512 {
@@ -535,181 +383,5 @@ unsafe impl Simd for Avx512 {
         // SAFETY: the caller's contract (64 bytes); `loadu` has no
         // alignment requirement; AVX-512F.
         unsafe { _mm512_loadu_ps(p as *const f32) }
-    }
-}
-
-/// Rounding immediates for the embedded-rounding and F16C conversions.
-const UP: i32 = _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC;
-
-impl Avx512 {
-    /// [`crate::quant::group_params`] of every group, eight at a time: the same
-    /// IEEE operations in the same order (f64 subtract and divide, f64→f32
-    /// rounded up by the conversion's embedded rounding, f32→f16 rounded
-    /// by F16C's immediate, f32→bf16 in integers), so the results are
-    /// bit-identical to the scalar code. The last `< 8` groups take the
-    /// scalar code. See [`QuantOps::group_params`].
-    #[inline(always)]
-    pub(crate) fn group_params(
-        self,
-        s: &QuantScheme,
-        mins: &[f32],
-        maxs: &[f32],
-        scales: &mut [f32],
-        zeros: &mut [f32],
-    ) -> Result<(), usize> {
-        let n = mins.len();
-        assert!(maxs.len() >= n && scales.len() >= n && zeros.len() >= n);
-        let fmt = s.scale_format();
-        let bits = s.bits() as u32;
-        let sym = s.mode() == Mode::Symmetric;
-        let levels = ((1u32 << bits) - 1) as f32;
-        let qmax = ((1u32 << (bits - 1)) - 1) as f64;
-        let half = (1u32 << (bits - 1)) as f32;
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: lanes `i..i+8 ≤ n` of slices of at least `n` floats
-            // (asserted above); `self` proves AVX-512F/VL and F16C.
-            let bad = unsafe {
-                let mn = _mm256_loadu_ps(mins.as_ptr().add(i));
-                let mx = _mm256_loadu_ps(maxs.as_ptr().add(i));
-                let vl = _mm256_set1_ps(levels);
-                let (scale, zero, bad) = if sym {
-                    let am = _mm256_max_ps(abs8(mn), abs8(mx));
-                    let d = _mm512_div_pd(_mm512_cvtps_pd(am), _mm512_set1_pd(qmax));
-                    let scale = up_fmt(fmt, _mm512_cvt_roundpd_ps::<UP>(d));
-                    let zero = _mm256_mul_ps(neg8(scale), _mm256_set1_ps(half));
-                    let top = _mm256_mul_ps(scale, vl);
-                    (
-                        scale,
-                        zero,
-                        nonfinite8(scale) | nonfinite8(zero) | nonfinite8(top),
-                    )
-                } else {
-                    // round_down(x) = −round_up(−x); `min` is an f32, so only
-                    // the format rounds.
-                    let zero = neg8(up_fmt(fmt, neg8(mn)));
-                    let diff = _mm512_sub_pd(_mm512_cvtps_pd(mx), _mm512_cvtps_pd(zero));
-                    let d = _mm512_div_pd(diff, _mm512_set1_pd(levels as f64));
-                    let scale = up_fmt(fmt, _mm512_cvt_roundpd_ps::<UP>(d));
-                    let top = _mm256_add_ps(_mm256_mul_ps(scale, vl), zero);
-                    (
-                        scale,
-                        zero,
-                        nonfinite8(zero) | nonfinite8(scale) | nonfinite8(top),
-                    )
-                };
-                _mm256_storeu_ps(scales.as_mut_ptr().add(i), scale);
-                _mm256_storeu_ps(zeros.as_mut_ptr().add(i), zero);
-                bad
-            };
-            if bad != 0 {
-                return Err(i + bad.trailing_zeros() as usize);
-            }
-            i += 8;
-        }
-        Scalar
-            .group_params(
-                s,
-                &mins[i..n],
-                &maxs[i..n],
-                &mut scales[i..n],
-                &mut zeros[i..n],
-            )
-            .map_err(|j| i + j)
-    }
-
-    /// [`QuantOps::write_params`] eight values at a time (exact
-    /// conversions: every value is representable), scalar tail.
-    #[inline(always)]
-    pub(crate) fn write_params(self, fmt: ScaleFormat, vals: &[f32], out: &mut [u8]) {
-        let fb = fmt.bytes();
-        let n = vals.len();
-        assert!(out.len() >= n * fb);
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: reads floats `i..i+8 ≤ n`, writes bytes `i·fb..(i+8)·fb
-            // ≤ n·fb` (asserted); AVX-512F/VL, F16C.
-            unsafe {
-                let v = _mm256_loadu_ps(vals.as_ptr().add(i));
-                let dst = out.as_mut_ptr().add(i * fb);
-                match fmt {
-                    ScaleFormat::F16 => {
-                        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_POS_INF>(v);
-                        _mm_storeu_si128(dst as *mut __m128i, h)
-                    }
-                    ScaleFormat::Bf16 => {
-                        let h = _mm256_srli_epi32::<16>(_mm256_castps_si256(v));
-                        _mm_storeu_si128(dst as *mut __m128i, _mm256_cvtepi32_epi16(h))
-                    }
-                    ScaleFormat::F32 => _mm256_storeu_ps(dst as *mut f32, v),
-                }
-            }
-            i += 8;
-        }
-        Scalar.write_params(fmt, &vals[i..], &mut out[i * fb..]);
-    }
-}
-
-/// `|x|` lanewise.
-///
-/// # Safety
-/// AVX2.
-#[inline(always)]
-unsafe fn abs8(x: __m256) -> __m256 {
-    // SAFETY: the caller's contract.
-    unsafe {
-        _mm256_castsi256_ps(_mm256_and_si256(
-            _mm256_castps_si256(x),
-            _mm256_set1_epi32(0x7FFF_FFFF),
-        ))
-    }
-}
-
-/// `−x` lanewise (sign flip, exact).
-///
-/// # Safety
-/// AVX2.
-#[inline(always)]
-unsafe fn neg8(x: __m256) -> __m256 {
-    // SAFETY: the caller's contract.
-    unsafe { _mm256_xor_ps(x, _mm256_set1_ps(-0.0)) }
-}
-
-/// Bit `k` set where lane `k` is NaN or ±inf.
-///
-/// # Safety
-/// AVX-512F/VL.
-#[inline(always)]
-unsafe fn nonfinite8(x: __m256) -> u8 {
-    // SAFETY: the caller's contract.
-    unsafe {
-        let e = _mm256_set1_epi32(0x7F80_0000);
-        _mm256_cmpeq_epi32_mask(_mm256_and_si256(_mm256_castps_si256(x), e), e)
-    }
-}
-
-/// `ScaleFormat::round_up` of f32 lanes: the least number of the format
-/// that is `≥ x` (f16 by F16C's round-up immediate, which saturates and
-/// makes subnormals as the scalar code does; bf16 by truncating the low 16
-/// bits and stepping positive inexact values up).
-///
-/// # Safety
-/// AVX-512F/VL, F16C.
-#[inline(always)]
-unsafe fn up_fmt(fmt: ScaleFormat, x: __m256) -> __m256 {
-    // SAFETY: the caller's contract.
-    unsafe {
-        match fmt {
-            ScaleFormat::F32 => x,
-            ScaleFormat::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_POS_INF>(x)),
-            ScaleFormat::Bf16 => {
-                let b = _mm256_castps_si256(x);
-                let t = _mm256_srli_epi32::<16>(b);
-                let step = _mm256_test_epi32_mask(b, _mm256_set1_epi32(0xFFFF))
-                    & _mm256_cmpge_epi32_mask(b, _mm256_setzero_si256());
-                let t = _mm256_mask_add_epi32(t, step, t, _mm256_set1_epi32(1));
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(t))
-            }
-        }
     }
 }

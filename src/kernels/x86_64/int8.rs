@@ -13,23 +13,12 @@
 //! multiplies the 64 codes into the quantized query.
 
 use super::tile::{self, Buf, Plan};
-use super::{Avx512, Simd};
 use crate::scheme::{Axis, Mode, ScaleFormat};
+use crate::simd::x86_64::{Avx512, Avx512Vnni, Simd};
 use crate::store::PackedHead;
 use core::arch::x86_64::*;
 
-/// Proof that the CPU has AVX-512F/BW/VL, VNNI, AVX2, FMA and F16C.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Avx512Vnni(Avx512);
-
 impl Avx512Vnni {
-    /// `Some` only when the CPU has every feature this file uses.
-    #[inline]
-    pub(crate) fn new() -> Option<Avx512Vnni> {
-        let base = Avx512::new()?;
-        is_x86_feature_detected!("avx512vnni").then_some(Avx512Vnni(base))
-    }
-
     /// Whether this kernel takes `head` (per-channel keys, `head_dim` 64,
     /// 128 or 256); otherwise callers run the exact kernel.
     pub(crate) fn takes(head: &PackedHead<'_>) -> bool {

@@ -1,0 +1,226 @@
+//! x86-64: the tokens ([`Avx2`], [`Avx512`], [`Avx512Vnni`]), the CPU's
+//! features read once ([`Cpu`]), and the [`Simd`] vocabulary that `avx2.rs`
+//! and `avx512.rs` implement.
+//!
+//! # Safety architecture
+//!
+//! The only way to get a token is its `new()`, which returns `None` unless
+//! the CPU has every feature the token's instructions use (read once with
+//! `is_x86_feature_detected!` and cached); holding one is the proof that
+//! calling the `#[target_feature]` code compiled for it is sound. Methods
+//! that read memory through raw pointers are `unsafe` and state what they
+//! need; the kernels' safe wrappers `assert!` every length their loops
+//! rely on before entering them.
+
+mod avx2;
+mod avx512;
+
+pub(crate) use avx2::Avx2;
+pub(crate) use avx512::Avx512;
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// The CPU features the tokens need, read once.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cpu {
+    /// AVX2, FMA, F16C.
+    pub(crate) on_avx2: bool,
+    /// AVX-512F/BW/VL, AVX2, FMA, F16C.
+    pub(crate) on_avx512: bool,
+    /// AVX-512 VNNI.
+    pub(crate) vnni: bool,
+}
+
+/// `Cpu` as bits (`1` AVX2, `2` AVX-512, `4` VNNI), `0x80` once read.
+static CPU: AtomicU8 = AtomicU8::new(0);
+
+impl Cpu {
+    /// The features, read on the first call and cached (an atomic load
+    /// afterwards).
+    #[inline]
+    pub(crate) fn get() -> Cpu {
+        let mut bits = CPU.load(Ordering::Relaxed);
+        if bits == 0 {
+            let c = Cpu::read();
+            bits = 0x80 | c.on_avx2 as u8 | (c.on_avx512 as u8) << 1 | (c.vnni as u8) << 2;
+            CPU.store(bits, Ordering::Relaxed);
+        }
+        Cpu {
+            on_avx2: bits & 1 != 0,
+            on_avx512: bits & 2 != 0,
+            vnni: bits & 4 != 0,
+        }
+    }
+}
+
+/// Proof that the CPU has AVX-512F/BW/VL, VNNI, AVX2, FMA and F16C (see
+/// [`Avx512Vnni::new`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Avx512Vnni(pub(crate) Avx512);
+
+impl Avx512Vnni {
+    /// `Some` only when the CPU has every feature of [`Avx512`] and VNNI.
+    #[inline]
+    pub(crate) fn new() -> Option<Avx512Vnni> {
+        let base = Avx512::new()?;
+        Cpu::get().vnni.then_some(Avx512Vnni(base))
+    }
+}
+
+/// Cephes `expf`: range limits, `ln 2` split for the reduction, and the
+/// polynomial for `e^r - 1 - r` on `|r| ≤ ln(2)/2`.
+pub(crate) mod expc {
+    pub(crate) const LO: f32 = -87.336_55;
+    pub(crate) const HI: f32 = 88.376_26;
+    pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
+    pub(crate) const C1: f32 = 0.693_359_4;
+    pub(crate) const C2: f32 = -2.121_944_4e-4;
+    pub(crate) const P: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ];
+}
+
+/// The vector vocabulary the SIMD kernels are written in, once, generically.
+///
+/// Arithmetic takes `self` (the token) and is safe; memory access takes raw
+/// pointers and is `unsafe`, with the contract that the pointer is valid
+/// for the bytes named in the method's doc.
+///
+/// # Safety
+/// An implementor is a token: a value of it may exist only on a CPU that
+/// supports every instruction its methods use.
+pub(crate) unsafe trait Simd: Copy {
+    /// `f32` lanes per vector (8 or 16).
+    const L: usize;
+    /// Tokens per tile; equals `L` so one tile's scores fill one vector.
+    const T: usize = Self::L;
+
+    /// This token as an [`Avx512`] one, where it is one (for the few loops
+    /// that have an AVX-512-only version).
+    #[inline(always)]
+    fn avx512(self) -> Option<Avx512> {
+        None
+    }
+    /// Vector registers the ISA has (16 with AVX2, 32 with AVX-512).
+    const REGS: usize;
+    /// A vector of `L` floats.
+    type F: Copy;
+    /// A vector of `L` 32-bit integers.
+    type I: Copy;
+    /// Per-call constants of [`Simd::code3_bytes`].
+    type C3: Copy;
+
+    /// All lanes zero.
+    fn zero(self) -> Self::F;
+    /// `x` in every lane.
+    fn splat(self, x: f32) -> Self::F;
+    /// `a + b`.
+    fn add(self, a: Self::F, b: Self::F) -> Self::F;
+    /// `a - b`.
+    fn sub(self, a: Self::F, b: Self::F) -> Self::F;
+    /// Lanewise maximum, `a > b ? a : b`.
+    fn max(self, a: Self::F, b: Self::F) -> Self::F;
+    /// Lanewise minimum, `a < b ? a : b`.
+    fn min(self, a: Self::F, b: Self::F) -> Self::F;
+    /// The smallest lane.
+    fn hmin(self, a: Self::F) -> f32;
+    /// `acc` ORed with the bits of `v − v`: nonzero exactly in the lanes
+    /// where `v` is NaN or ±inf.
+    fn or_nonfinite(self, acc: Self::I, v: Self::F) -> Self::I;
+    /// Whether any bit of `v` is set.
+    fn any(self, v: Self::I) -> bool;
+    /// All bits zero.
+    fn zero_i(self) -> Self::I;
+    /// `e^x` lanewise, within 2 ulp for `x ≥ -87.3` (Cephes' `expf`
+    /// reduction and polynomial); `0` below (where `e^x` is subnormal or 0).
+    fn exp(self, x: Self::F) -> Self::F;
+    /// The largest lane.
+    fn hmax(self, a: Self::F) -> f32;
+    /// `a · b`.
+    fn mul(self, a: Self::F, b: Self::F) -> Self::F;
+    /// `a · b + c`, one rounding.
+    fn fma(self, a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    /// Integers to floats (exact for codes).
+    fn cvt(self, v: Self::I) -> Self::F;
+    /// `(v & (2^P − 1))` as floats, for `P ≤ 4`; the backends use a table
+    /// permute where the ISA's permute indexes enough entries (no mask
+    /// and no convert needed).
+    fn field_f32<const P: u32>(self, v: Self::I) -> Self::F;
+    /// Lane `l` of the result is lane `idx[l]` of `table` (`idx[l] < L`).
+    fn permute(self, table: Self::F, idx: Self::I) -> Self::F;
+    /// `(v >> s) & mask` for `s ≥ 0`, `(v << -s) & mask` for `s < 0`.
+    fn shr_mask(self, v: Self::I, s: i32, mask: u32) -> Self::I;
+    /// `((v >> a) & mask) << sh` in the low half of the lanes and
+    /// `((v >> b) & mask) << sh` in the high half.
+    fn shr_pair_mask(self, v: Self::I, a: u32, b: u32, mask: u32, sh: u32) -> Self::I;
+    /// Bitwise or.
+    fn or(self, a: Self::I, b: Self::I) -> Self::I;
+    /// The constants of [`Simd::code3_bytes`] for rows of `hd` channels,
+    /// or `None` where this ISA unpacks 3-bit rows vector by vector.
+    fn code3_consts(self, hd: usize) -> Option<Self::C3>;
+    /// Write the `hd` codes of a 3-bit row (two planes, see
+    /// [`crate::pack`]) to `out` as bytes, so the vector loops read them
+    /// as 8-bit codes: a few whole-register byte operations per 64 codes
+    /// instead of a shift, mask and merge per vector of each plane.
+    ///
+    /// # Safety
+    /// `row` valid for `3·hd/8` bytes, `out` for `hd`; `c` made by
+    /// `code3_consts(hd)`.
+    unsafe fn code3_bytes(self, c: &Self::C3, row: *const u8, hd: usize, out: *mut u8);
+    /// Lane `t` (for `t < T`) of the result is the sum of all lanes of
+    /// `acc[t]`; `acc[T..]` are ignored.
+    fn reduce(self, acc: &[Self::F; 16]) -> Self::F;
+    /// The sum of all lanes.
+    fn hsum(self, a: Self::F) -> f32;
+
+    /// Load `L` floats.
+    /// # Safety
+    /// `p` valid for reading `L` floats.
+    unsafe fn load(self, p: *const f32) -> Self::F;
+    /// Truncate `L` lanes (each in `[0, 256)`) toward zero and store them
+    /// as `L` bytes.
+    /// # Safety
+    /// `p` valid for writing `L` bytes.
+    unsafe fn store_u8_trunc(self, p: *mut u8, v: Self::F);
+    /// Store `L` floats.
+    /// # Safety
+    /// `p` valid for writing `L` floats.
+    unsafe fn store(self, p: *mut f32, v: Self::F);
+    /// Load `L` 32-bit integers (stored in a float scratch).
+    /// # Safety
+    /// `p` valid for reading `L` floats.
+    unsafe fn load_i(self, p: *const f32) -> Self::I;
+    /// Store `L` 32-bit integers into a float scratch.
+    /// # Safety
+    /// `p` valid for writing `L` floats.
+    unsafe fn store_i(self, p: *mut f32, v: Self::I);
+    /// `*p` in every lane.
+    /// # Safety
+    /// `p` valid for reading one float.
+    unsafe fn bcast(self, p: *const f32) -> Self::F;
+    /// `L` bytes, zero-extended to 32-bit lanes.
+    /// # Safety
+    /// `p` valid for reading `L` bytes.
+    unsafe fn load_u8(self, p: *const u8) -> Self::I;
+    /// `L/2` bytes, zero-extended, in both halves of the lanes.
+    /// # Safety
+    /// `p` valid for reading `L/2` bytes.
+    unsafe fn load_u8_dup(self, p: *const u8) -> Self::I;
+    /// `L` little-endian IEEE halves, widened.
+    /// # Safety
+    /// `p` valid for reading `2·L` bytes (any alignment).
+    unsafe fn load_f16(self, p: *const u8) -> Self::F;
+    /// `L` little-endian bfloat16s, widened.
+    /// # Safety
+    /// `p` valid for reading `2·L` bytes (any alignment).
+    unsafe fn load_bf16(self, p: *const u8) -> Self::F;
+    /// `L` little-endian f32s at any alignment.
+    /// # Safety
+    /// `p` valid for reading `4·L` bytes.
+    unsafe fn load_f32_bytes(self, p: *const u8) -> Self::F;
+}
