@@ -455,71 +455,83 @@ pub(crate) fn quantize_channel_block(
     })
 }
 
-/// The arguments of [`quantize_token`], as a kernel.
-struct QuantizeToken<'a> {
-    l: &'a Layout,
-    x: &'a [f32],
-    token: usize,
-    codes: &'a mut [u8],
-    params: &'a mut [u8],
-}
+/// The per-token quantizer as a kernel (its own codegen unit).
+mod token_kernel {
+    use super::*;
 
-impl Kernel for QuantizeToken<'_> {
-    type Output = Result<()>;
-
-    fn portable(self) -> Result<()> {
-        quantize_token_generic(Scalar, self.l, self.x, self.token, self.codes, self.params)
+    /// The arguments of [`quantize_token`], as a kernel.
+    pub(super) struct QuantizeToken<'a> {
+        pub(super) l: &'a Layout,
+        pub(super) x: &'a [f32],
+        pub(super) token: usize,
+        pub(super) codes: &'a mut [u8],
+        pub(super) params: &'a mut [u8],
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
-        quantize_token_generic(s, self.l, self.x, self.token, self.codes, self.params)
+    impl Kernel for QuantizeToken<'_> {
+        type Output = Result<()>;
+
+        fn portable(self) -> Result<()> {
+            quantize_token_generic(Scalar, self.l, self.x, self.token, self.codes, self.params)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
+            quantize_token_generic(s, self.l, self.x, self.token, self.codes, self.params)
+        }
     }
 }
+use token_kernel::*;
 
-/// The arguments of [`quantize_channel_block`], as a kernel.
-struct QuantizeBlock<'a> {
-    l: &'a Layout,
-    rows: &'a [f32],
-    tb: usize,
-    h: usize,
-    token0: usize,
-    codes: &'a mut [u8],
-    params: &'a mut [u8],
-}
+/// The per-channel block quantizer as a kernel (its own codegen unit).
+mod block_kernel {
+    use super::*;
 
-impl Kernel for QuantizeBlock<'_> {
-    type Output = Result<()>;
-
-    fn portable(self) -> Result<()> {
-        let QuantizeBlock {
-            l,
-            rows,
-            tb,
-            h,
-            token0,
-            codes,
-            params,
-        } = self;
-        quantize_channel_block_generic(Scalar, l, rows, tb, h, token0, codes, params)
+    /// The arguments of [`quantize_channel_block`], as a kernel.
+    pub(super) struct QuantizeBlock<'a> {
+        pub(super) l: &'a Layout,
+        pub(super) rows: &'a [f32],
+        pub(super) tb: usize,
+        pub(super) h: usize,
+        pub(super) token0: usize,
+        pub(super) codes: &'a mut [u8],
+        pub(super) params: &'a mut [u8],
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
-        let QuantizeBlock {
-            l,
-            rows,
-            tb,
-            h,
-            token0,
-            codes,
-            params,
-        } = self;
-        quantize_channel_block_generic(s, l, rows, tb, h, token0, codes, params)
+    impl Kernel for QuantizeBlock<'_> {
+        type Output = Result<()>;
+
+        fn portable(self) -> Result<()> {
+            let QuantizeBlock {
+                l,
+                rows,
+                tb,
+                h,
+                token0,
+                codes,
+                params,
+            } = self;
+            quantize_channel_block_generic(Scalar, l, rows, tb, h, token0, codes, params)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
+            let QuantizeBlock {
+                l,
+                rows,
+                tb,
+                h,
+                token0,
+                codes,
+                params,
+            } = self;
+            quantize_channel_block_generic(s, l, rows, tb, h, token0, codes, params)
+        }
     }
 }
+use block_kernel::*;
 
 /// Quantize one token (all heads; `x` is `[n_kv_heads·head_dim]`, finite).
 /// Writes `n_kv_heads` code rows (head-major) into `codes` and the token's

@@ -1574,7 +1574,7 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
         Axis::PerToken
             if const { HD > 0 }
                 && g.fast
-                && matches!(nq, 1 | 2 | 4)
+                && matches!(nq, 1 | 4)
                 && g.nch <= MAX_NCH
                 && head.layout().channels_per_group().is_multiple_of(S::L) =>
         {
@@ -1585,10 +1585,8 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
             unsafe {
                 match (nq, t3) {
                     (1, Some(t3)) => fused_sum_pt::<S, 8, 1>(s, g, head, &mut tp, p, a, Some(t3)),
-                    (2, Some(t3)) => fused_sum_pt::<S, 8, 2>(s, g, head, &mut tp, p, a, Some(t3)),
                     (_, Some(t3)) => fused_sum_pt::<S, 8, 4>(s, g, head, &mut tp, p, a, Some(t3)),
                     (1, None) => fused_sum_pt::<S, B, 1>(s, g, head, &mut tp, p, a, None),
-                    (2, None) => fused_sum_pt::<S, B, 2>(s, g, head, &mut tp, p, a, None),
                     (_, None) => fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, a, None),
                 }
             }
