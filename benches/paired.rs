@@ -20,8 +20,9 @@
 //!   them, so a layer that fits the last-level cache is read from there
 //!   rather than from DRAM.
 //!
-//! `docs/PERFORMANCE.md` (session 11) uses these to ask whether the 4-bit
-//! path is bound by its arithmetic or by how it streams memory.
+//! One thread against two, and DRAM against a cache-resident layer, tell
+//! whether a path is bound by its arithmetic or by how it streams memory
+//! (`docs/PERFORMANCE.md`, "Known weak spots").
 //!
 //! Why a second harness: criterion measures one case for a few seconds,
 //! then the next. On a shared host whose speed drifts by tens of percent
@@ -40,7 +41,8 @@
 //! Same shape as criterion's `attend/hd128/q{N}`: 8 KV heads, head_dim
 //! 128, two threads across heads, each case's layer copied until the
 //! copies add up to 1 GiB and rotated, so every call streams from DRAM.
-//! Nothing is asserted here; the numbers go to `docs/PERFORMANCE.md`.
+//! Nothing is asserted here; the measured numbers are in
+//! `docs/perf/records/`, the current ones in `docs/PERFORMANCE.md`.
 
 mod common;
 

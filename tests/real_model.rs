@@ -21,7 +21,7 @@ use common::ppl::{perplexity, EvalPath, PplOptions};
 use common::tokenizer::Tokenizer;
 
 /// Full-precision perplexity of the first 512-token window, all predictions
-/// and second half, as measured when the harness was written (x86-64, f32).
+/// and second half, as measured on x86-64 in f32 (`docs/RESULTS.md`).
 const AUSTEN_W0: (f64, f64) = (21.8932, 21.9000);
 const CODE_W0: (f64, f64) = (9.4716, 9.0365);
 
