@@ -1371,7 +1371,7 @@ const PARALLEL_MIN_WORK: usize = 16 * 1024;
 /// others on scoped threads spawned before it starts. One spawn fewer per
 /// call than spawning them all. A spawn and join cost tens of µs on the
 /// development VM, against a 1–2 ms decode step
-/// (`docs/PERFORMANCE.md`, session 11).
+/// (`docs/perf/records/2026-12-01-zen4.md`).
 fn fan_out<T: Send>(items: impl IntoIterator<Item = T>, work: impl Fn(usize, T) + Sync) {
     let mut items = items.into_iter().enumerate();
     let Some((i0, first)) = items.next() else {

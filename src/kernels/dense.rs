@@ -272,11 +272,11 @@ impl<E: Elem + X86Elem> Kernel for Dense<'_, E> {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn simd<S: super::x86_64::Simd>(self, s: S) {
-        use super::x86_64::tile;
+        use super::x86_64::generic;
         if self.sum {
-            tile::dense_weighted_sum(s, self.hd, self.rows, self.x, self.out)
+            generic::dense_weighted_sum(s, self.hd, self.rows, self.x, self.out)
         } else {
-            tile::dense_scores(s, self.hd, self.rows, self.x, self.out)
+            generic::dense_scores(s, self.hd, self.rows, self.x, self.out)
         }
     }
 }

@@ -27,13 +27,17 @@
 //! of a KV head), which costs the same as folding scales per group and
 //! handles every group size alike.
 //!
-//! The layout follows the hardware: [`reference`](mod@reference) is the
-//! oracle, `portable` runs anywhere, and architecture files hold the SIMD
-//! versions (`x86_64/avx2.rs`, `x86_64/avx512.rs`, both instances of the
-//! generic tile kernels in `x86_64/tile.rs`). A [`Backend`] is chosen once
-//! at run time (or forced); each public function hands a kernel value to
-//! the one dispatch in `crate::simd`. [`dense`] holds the unquantized f32/f16
-//! baselines.
+//! The layout follows the concepts and the hardware: `scores.rs`,
+//! `weighted_sum.rs` and `softmax.rs` hold the public functions and their
+//! kernel values; [`reference`](mod@reference) is the oracle, `portable`
+//! runs anywhere, and `x86_64/generic/` holds the SIMD kernels, written
+//! once over the vector vocabulary of `crate::simd` (one file per concept:
+//! prefetch, unpack, params, fused scores, scores, weighted sum, dense,
+//! softmax), with the AVX-512 VNNI kernels in `x86_64/int8.rs`. A
+//! [`Backend`] is chosen once at run time (or forced); each public function
+//! hands a kernel value to the one dispatch in `crate::simd`, which runs it
+//! inside the backend's `#[target_feature]` trampoline. [`dense`] holds the
+//! unquantized f32/f16 baselines.
 //!
 //! # Hardware
 //!
@@ -60,7 +64,7 @@
 //! than the portable one, so backends differ in the last bits; force
 //! [`Backend::Portable`] for results identical across machines.
 
-/// The packed kernel `$tile` (`tile::scores` or `tile::weighted_sum`) for
+/// The packed kernel `$tile` (`generic::scores` or `generic::weighted_sum`) for
 /// every shape [`x86_64::by_shape!`] distinguishes, one module per shape
 /// (so the shapes are compiled as separate, parallel codegen units), and
 /// `$run(backend, head, x, out)`, which sends a head to its shape's kernel.
@@ -110,7 +114,7 @@ macro_rules! packed_kernel {
                 #[cfg(target_arch = "x86_64")]
                 #[inline(always)]
                 fn simd<S: crate::simd::x86_64::Simd>(self, s: S) {
-                    use crate::kernels::x86_64::{fused_shape, tile};
+                    use crate::kernels::x86_64::{fused_shape, generic};
                     let Args { head, x, out } = self;
                     ($check)(head, x.len(), out.len());
                     if const { fused_shape::<S>($b, $hd) } {
@@ -118,7 +122,7 @@ macro_rules! packed_kernel {
                         // loops rely on; `by_shape!` sends only heads of
                         // this shape here (any, for `(0, 0)`); `s` proves
                         // the features this body is compiled with.
-                        unsafe { tile::$tile::<S, $b, $hd>(s, head, x, out) }
+                        unsafe { generic::$tile::<S, $b, $hd>(s, head, x, out) }
                     } else {
                         unreachable!("kernels: no kernel for this shape on this token")
                     }

@@ -71,7 +71,7 @@ impl Kernel for SoftmaxParts<'_> {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn simd<S: super::x86_64::Simd>(self, s: S) -> (f32, f32) {
-        super::x86_64::tile::softmax_parts(s, self.0)
+        super::x86_64::generic::softmax_parts(s, self.0)
     }
 }
 
@@ -91,6 +91,6 @@ impl Kernel for Scale<'_> {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn simd<S: super::x86_64::Simd>(self, s: S) {
-        super::x86_64::tile::scale_in_place(s, self.x, self.k)
+        super::x86_64::generic::scale_in_place(s, self.x, self.k)
     }
 }

@@ -12,7 +12,7 @@
 //! mask; higher planes are shifted up and ORed in. One `vpdpbusd` then
 //! multiplies the 64 codes into the quantized query.
 
-use super::tile::{self, Buf, Plan};
+use super::generic::{self, Buf, Plan};
 use crate::scheme::{Axis, Mode, ScaleFormat};
 use crate::simd::x86_64::{Avx512, Avx512Vnni, Simd};
 use crate::store::PackedHead;
@@ -208,8 +208,8 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
             while t0 < t_all {
                 let n = 16.min(t_all - t0);
                 let ah = [
-                    tile::Ahead::new(codes, rb, t0),
-                    tile::Ahead::new(params.as_ptr(), pb_tok, t0),
+                    generic::Ahead::new(codes, rb, t0),
+                    generic::Ahead::new(params.as_ptr(), pb_tok, t0),
                 ];
                 // 1. Weights, their maxima, the zero sums.
                 let mut amax = s.zero();
@@ -475,7 +475,7 @@ unsafe fn quantize_query(s: Avx512, hd: usize, q: *const f32, sc: *const f32, qi
 /// [`quantize_query`] and the bias `q·zero` of one block in one pass,
 /// straight from its stored `f16` params at `src` (`hd` scales, then `hd`
 /// zeros unless symmetric): the same products, maximum, rounding and bias
-/// sum, in the same order, as [`tile::block_params`], [`quantize_query`]
+/// sum, in the same order, as [`generic::block_params`], [`quantize_query`]
 /// and the bias loop of [`kernel`]. Returns `(δ, bias)`.
 ///
 /// # Safety
@@ -546,7 +546,7 @@ unsafe fn kernel<const B: u8, const HD: usize>(
     let accbuf = Buf::new(nq * 16 * 16);
     let codes = head.codes().as_ptr();
     // Prefetch as the exact kernels do.
-    let pf = tile::BlockAhead::new(head, true);
+    let pf = generic::BlockAhead::new(head, true);
     // `f16` params: each block's int8 queries and biases straight from
     // the stored bytes, in registers.
     let direct = p.fmt() == ScaleFormat::F16;
@@ -570,7 +570,7 @@ unsafe fn kernel<const B: u8, const HD: usize>(
                 }
             }
         } else {
-            tile::block_params(s, head, &p, hd, k, sc.m(), ze.m());
+            generic::block_params(s, head, &p, hd, k, sc.m(), ze.m());
             for i in 0..nq {
                 // SAFETY: `q` holds `hd` floats per query, `sc`/`ze` `hd`,
                 // `qi` `hd` bytes per query.
@@ -645,7 +645,7 @@ unsafe fn kernel<const B: u8, const HD: usize>(
                     s.reduce(&a)
                 };
                 let r = s.fma(r, s.splat(delta[i]), s.splat(bias[i]));
-                tile::store_lanes(s, r, &mut out[i * t_all + t0..i * t_all + t0 + n]);
+                generic::store_lanes(s, r, &mut out[i * t_all + t0..i * t_all + t0 + n]);
             }
             t0 += n;
         }

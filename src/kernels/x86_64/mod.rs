@@ -59,12 +59,12 @@ pub(crate) const fn fused_shape<S: Simd>(b: u8, hd: usize) -> bool {
         || (hd == 128 && (b == 4 || b == 8 || (S::REGS >= 32 && (b == 2 || b == 3))))
 }
 
+pub(crate) mod generic;
 pub(crate) mod int8;
 pub(crate) mod quantize;
-pub(crate) mod tile;
 
 pub(crate) use crate::simd::x86_64::{Avx512Vnni, Simd};
-pub(crate) use tile::DenseElem;
+pub(crate) use generic::DenseElem;
 
 use crate::scheme::Axis;
 use crate::store::PackedHead;

@@ -1,0 +1,693 @@
+//! The packed weighted sum: the driver, the scale expansion and the fused per-token kernel.
+
+use super::*;
+
+/// Packed weighted sum: `out_i += Σ_t p[i·tokens + t] · v̂_t`.
+///
+/// Per-token values with groups of whole vectors keep raw codes in the
+/// tile and fold the scales into the weights, group by group
+/// (`w_tg = p_t·scale_tg`), adding `Σ_t p_t·zero_tg` per group at the end.
+/// Other groupings and per-channel values are dequantized into the tile.
+///
+/// # Safety
+/// [`super::check_head`]`(head, out.len(), p.len())` passed; `HD` is 0 or
+/// the head's `head_dim`.
+#[inline(always)]
+pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
+    s: S,
+    head: &PackedHead<'_>,
+    p: &[f32],
+    out: &mut [f32],
+) {
+    let pl = Plan::new(head);
+    let g = Geo::new::<S, B, HD>(head.layout().head_dim(), head.layout().scheme().bits());
+    let (hd, hdp, t_all) = (g.hd, g.hdp, pl.tokens);
+    let nq = out.len() / hd;
+    if t_all == 0 {
+        return;
+    }
+    let mut scr = Buf::new(S::T * hdp);
+    let mut u8buf = vec![0u8; hdp];
+    let mut acc = Buf::new(nq * hdp);
+    let codes = head.codes().as_ptr();
+    // The tile's weights of query `i`, zero past its last token.
+    let tile_p = |i: usize, t0: usize, n: usize| {
+        let mut w = [0f32; 16];
+        w[..n].copy_from_slice(&p[i * t_all + t0..i * t_all + t0 + n]);
+        w
+    };
+    match head.layout().scheme().axis() {
+        Axis::PerToken
+            if const { HD > 0 }
+                && g.fast
+                && matches!(nq, 1 | 4)
+                && g.nch <= MAX_NCH
+                && head.layout().channels_per_group().is_multiple_of(S::L) =>
+        {
+            let mut tp = TileParams::new::<S>(head, g, pl);
+            let (a, t3) = (acc.m(), Tile3::new::<B>(s, hd));
+            // SAFETY: check_head passed; the shape conditions of the arm
+            // hold. Transcoded 3-bit rows are read as 8-bit rows.
+            unsafe {
+                match (nq, t3) {
+                    (1, Some(t3)) => fused_sum_pt::<S, 8, 1>(s, g, head, &mut tp, p, a, Some(t3)),
+                    (_, Some(t3)) => fused_sum_pt::<S, 8, 4>(s, g, head, &mut tp, p, a, Some(t3)),
+                    (1, None) => fused_sum_pt::<S, B, 1>(s, g, head, &mut tp, p, a, None),
+                    (_, None) => fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, a, None),
+                }
+            }
+        }
+        Axis::PerToken => {
+            let mut tp = TileParams::new::<S>(head, g, pl);
+            let (gpr, cpg) = (tp.gpr, tp.cpg);
+            let gch = gpr.div_ceil(S::L);
+            // Groups of whole vectors and `nch ≤ MAX_NCH`: `gpr ≤ 32` groups.
+            assert!(tp.rows.is_some() || gch <= 4);
+            let wst = gch * S::L;
+            // Token-major weights of the tile, `w[t][k] = p_t·scale_tk`,
+            // and `Σ_t p_t·zero_tk` per query (lanes of `zacc`).
+            let mut wbuf = Buf::new(S::T * wst);
+            let mut zacc = Buf::new(nq * wst);
+            let vpg = cpg / S::L;
+            let mut t0 = 0;
+            while t0 < t_all {
+                let n = S::T.min(t_all - t0);
+                tp.load(s, head, t0, n);
+                let rows = tp.deq_rows();
+                // SAFETY: rows `t0..t0+n ≤ tokens` are in `codes`
+                // (check_head); the scratch holds `T` rows of `hdp`.
+                unsafe {
+                    let (r, sp, u8b) = (
+                        codes.add(t0 * g.rb),
+                        scr.m().as_mut_ptr(),
+                        u8buf.as_mut_ptr(),
+                    );
+                    match rows {
+                        None => unpack_tile::<S, B, Raw>(s, g, r, n, sp, u8b, Raw),
+                        Some(d) => unpack_tile::<S, B, Rows>(s, g, r, n, sp, u8b, d),
+                    }
+                }
+                for i in 0..nq {
+                    let pt = tile_p(i, t0, n);
+                    let a = acc.m()[i * hdp..].as_mut_ptr();
+                    if rows.is_some() {
+                        // SAFETY: `pt` holds T weights; `acc` `hdp` floats per query.
+                        unsafe {
+                            sum_vectors(
+                                s,
+                                scr.s().as_ptr(),
+                                0,
+                                g.nch,
+                                &splat_tile(s, pt.as_ptr()),
+                                a,
+                            )
+                        };
+                        continue;
+                    }
+                    let d = tp.deq();
+                    let mut zt = [s.zero(); 4];
+                    for (tt, &pv) in pt.iter().enumerate().take(n) {
+                        let pb = s.splat(pv);
+                        for (c, z) in zt.iter_mut().enumerate().take(gch) {
+                            // SAFETY: the params buffers are padded by
+                            // `PAD ≥ wst` floats past the tile's last token,
+                            // so these `L`-lane reads stay inside; lanes past
+                            // `gpr` are never used. `wbuf` holds `T` rows of
+                            // `wst`.
+                            unsafe {
+                                let o = tt * d.stride + c * S::L;
+                                s.store(
+                                    wbuf.m().as_mut_ptr().add(tt * wst + c * S::L),
+                                    s.mul(s.load(d.sc.add(o)), pb),
+                                );
+                                *z = s.fma(s.load(d.ze.add(o)), pb, *z);
+                            }
+                        }
+                    }
+                    for (c, z) in zt.iter().enumerate().take(gch) {
+                        // SAFETY: `zacc` holds `wst = gch·L` floats per query.
+                        unsafe {
+                            let zp = zacc.m().as_mut_ptr().add(i * wst + c * S::L);
+                            s.store(zp, s.add(s.load(zp), *z));
+                        }
+                    }
+                    // No stale weight (an inf times a zero code is NaN).
+                    wbuf.m()[n * wst..].fill(0.0);
+                    for k in 0..gpr {
+                        let mut w = [s.zero(); 16];
+                        for (tt, w) in w.iter_mut().enumerate().take(S::T) {
+                            *w = s.splat(wbuf.s()[tt * wst + k]);
+                        }
+                        // SAFETY: vectors `k·vpg..(k+1)·vpg ≤ nch` (groups
+                        // are whole vectors); `acc` `hdp` floats per query.
+                        unsafe { sum_vectors(s, scr.s().as_ptr(), k * vpg, (k + 1) * vpg, &w, a) };
+                    }
+                }
+                t0 += n;
+            }
+            if tp.rows.is_none() {
+                for i in 0..nq {
+                    for c in 0..hd {
+                        acc.m()[i * hdp + c] += zacc.s()[i * wst + c / cpg];
+                    }
+                }
+            }
+        }
+        Axis::PerChannel => {
+            let gl = head.layout().group_len();
+            let (mut sc, mut ze) = (Buf::new(hdp), Buf::new(hdp));
+            for k in 0..t_all.div_ceil(gl) {
+                block_params(s, head, &pl, hd, k, sc.m(), ze.m());
+                let d = Rows {
+                    sc: sc.s().as_ptr(),
+                    ze: ze.s().as_ptr(),
+                    stride: 0,
+                };
+                let t_end = ((k + 1) * gl).min(t_all);
+                let mut t0 = k * gl;
+                while t0 < t_end {
+                    let n = S::T.min(t_end - t0);
+                    // SAFETY: as above; `sc`/`ze` hold the block's `hdp`
+                    // params and are not written meanwhile.
+                    unsafe {
+                        unpack_tile::<S, B, Rows>(
+                            s,
+                            g,
+                            codes.add(t0 * g.rb),
+                            n,
+                            scr.m().as_mut_ptr(),
+                            u8buf.as_mut_ptr(),
+                            d,
+                        );
+                    }
+                    for i in 0..nq {
+                        let pt = tile_p(i, t0, n);
+                        // SAFETY: `pt` holds T weights; `acc` `hdp` floats per query.
+                        unsafe {
+                            let a = acc.m()[i * hdp..].as_mut_ptr();
+                            sum_vectors(
+                                s,
+                                scr.s().as_ptr(),
+                                0,
+                                g.nch,
+                                &splat_tile(s, pt.as_ptr()),
+                                a,
+                            );
+                        }
+                    }
+                    t0 += n;
+                }
+            }
+        }
+    }
+    for i in 0..nq {
+        for (o, a) in out[i * hd..(i + 1) * hd]
+            .iter_mut()
+            .zip(&acc.s()[i * hdp..])
+        {
+            *o += a;
+        }
+    }
+}
+
+/// The per-vector scales of a tile whose groups fit one vector
+/// (`gpr ≤ L`): row `t` of `w` gets token `t`'s scales permuted to the
+/// vectors by `ix` (`ne ≤ 2·L` floats per row). With the weights `pw` of
+/// a single query, the rows are `pw[t]·scale` and `Σ_t pw[t]·zero_t` is
+/// added into `z` in the same pass (four independent chains). With `zo =
+/// (zr, f)`, row `t` of `zr` gets the zeros permuted the same way, times
+/// the per-vector factors `f`.
+///
+/// # Safety
+/// `d` holds `n` tokens' params with `L` readable floats at each token's
+/// scales and zeros; `w` (and `zr`) hold `n` rows of `ne`; `pw`, if given,
+/// `n` weights.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) unsafe fn expand_scales<S: Simd>(
+    s: S,
+    d: PerToken,
+    pw: Option<&[f32]>,
+    zo: Option<(*mut f32, [S::F; 2])>,
+    ix: [S::I; 2],
+    ne: usize,
+    n: usize,
+    w: *mut f32,
+    z: &mut S::F,
+) {
+    let mut zt = [s.zero(); 4];
+    let mut t = 0;
+    while t < n {
+        unroll!(4; u in 0, 4 => {
+            if t + u < n {
+                let o = (t + u) * d.stride;
+                // SAFETY: the caller's contract; row `t + u < n`.
+                unsafe {
+                    let mut v = s.load(d.sc.add(o));
+                    if let Some(pw) = pw {
+                        let pb = s.bcast(pw.as_ptr().add(t + u));
+                        v = s.mul(v, pb);
+                        zt[u] = s.fma(s.load(d.ze.add(o)), pb, zt[u]);
+                    }
+                    let r = w.add((t + u) * ne);
+                    s.store(r, s.permute(v, ix[0]));
+                    if ne > S::L {
+                        s.store(r.add(S::L), s.permute(v, ix[1]));
+                    }
+                    if let Some((zr, f)) = zo {
+                        let ze = s.load(d.ze.add(o));
+                        let r = zr.add((t + u) * ne);
+                        s.store(r, s.mul(s.permute(ze, ix[0]), f[0]));
+                        if ne > S::L {
+                            s.store(r.add(S::L), s.mul(s.permute(ze, ix[1]), f[1]));
+                        }
+                    }
+                }
+            }
+        });
+        t += 4;
+    }
+    *z = s.add(*z, s.add(s.add(zt[0], zt[1]), s.add(zt[2], zt[3])));
+}
+
+/// [`expand_scales`] for one query, straight from `f16` params: row `t`
+/// of `w` gets token `t`'s scales times `pw[t]`, permuted to the vectors
+/// by `ix`. Token `t`'s `vals` numbers start at `src + 2·t·vals` and are
+/// read as one vector (`2·gpr ≤ L` or symmetric), so `z` gets `Σ_t
+/// pw[t]·(scales, zeros)`: the zero sums in lanes `gpr..2·gpr` (the
+/// scale sums in lanes `0..gpr`). No widened copy of the params: its
+/// stores and the loads of rows that straddle two of them were the
+/// larger part of this step's cost (`docs/perf/records/2026-11-30-icelake.md`).
+///
+/// # Safety
+/// `src` valid for `2·((n−1)·vals + L)` bytes; `pw` holds `n ≤ T`
+/// weights; `w` `n` rows of `ne ≤ 2·L`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) unsafe fn expand_scales_f16<S: Simd>(
+    s: S,
+    src: *const u8,
+    vals: usize,
+    pw: &[f32],
+    ix: [S::I; 2],
+    ne: usize,
+    w: *mut f32,
+    z: &mut S::F,
+) {
+    let n = pw.len();
+    let mut zt = [s.zero(); 4];
+    let mut t = 0;
+    while t < n {
+        unroll!(4; u in 0, 4 => {
+            if t + u < n {
+                // SAFETY: the caller's contract; row `t + u < n`.
+                unsafe {
+                    let v = s.load_f16(src.add(2 * (t + u) * vals));
+                    let v = s.mul(v, s.bcast(pw.as_ptr().add(t + u)));
+                    zt[u] = s.add(zt[u], v);
+                    let r = w.add((t + u) * ne);
+                    s.store(r, s.permute(v, ix[0]));
+                    if ne > S::L {
+                        s.store(r.add(S::L), s.permute(v, ix[1]));
+                    }
+                }
+            }
+        });
+        t += 4;
+    }
+    *z = s.add(*z, s.add(s.add(zt[0], zt[1]), s.add(zt[2], zt[3])));
+}
+
+/// `z[c] += Σ_t pi[t]·zero_tc` for the `gch` zero vectors of a tile, in
+/// four independent chains.
+///
+/// # Safety
+/// `d` holds `pi.len()` tokens' params with `gch·L` readable floats at
+/// each token's zeros; `gch ≤ 4`.
+#[inline(always)]
+pub(crate) unsafe fn zero_sums<S: Simd>(
+    s: S,
+    d: PerToken,
+    pi: &[f32],
+    gch: usize,
+    z: &mut [S::F; 4],
+) {
+    let n = pi.len();
+    // Indexed by unrolled constants only, so the chains stay in registers
+    // (an iterator over `zt[u]` put them on the stack: a store-to-load
+    // forwarding round trip per FMA).
+    let mut zt = [[s.zero(); 4]; 4];
+    let mut t = 0;
+    while t < n {
+        unroll!(4; u in 0, 4 => {
+            if t + u < n {
+                // SAFETY: the caller's contract; token `t + u < n`.
+                unsafe {
+                    let pb = s.bcast(pi.as_ptr().add(t + u));
+                    let o = (t + u) * d.stride;
+                    unroll!(4; c in 0, 4 => {
+                        if c < gch {
+                            zt[u][c] = s.fma(s.load(d.ze.add(o + c * S::L)), pb, zt[u][c]);
+                        }
+                    });
+                }
+            }
+        });
+        t += 4;
+    }
+    unroll!(4; c in 0, 4 => {
+        if c < gch {
+            z[c] = s.add(
+                z[c],
+                s.add(s.add(zt[0][c], zt[1][c]), s.add(zt[2][c], zt[3][c])),
+            );
+        }
+    });
+}
+
+/// Fused weighted sum of per-token values for `NQ` queries: each row is
+/// unpacked into registers once and added into every query. Accumulators
+/// live in registers for a tile at a time, `NQ ×` a column block of
+/// vectors filling half the register file.
+///
+/// The scales are expanded per vector (`w[t·ne + j]` is the scale of
+/// vector `j`'s group), so every broadcast in the inner loop is a constant
+/// offset from the token's row. One query folds its weight in
+/// (`w = p_t·scale_tg`: one FMA per code vector) and keeps `Σ_t
+/// p_t·zero_tg` per group, added at the end. Several queries dequantize
+/// each code vector once (`code·scale + zero`, one FMA, zeros expanded
+/// like the scales) and take it into every query with `p_it`.
+///
+/// With `t3`, each tile's 3-bit rows are transcoded to code bytes first
+/// and read as `B` = 8-bit rows.
+///
+/// # Safety
+/// `check_head` passed for `NQ` queries; `Geo::fast`, `nch ≤ MAX_NCH`,
+/// groups of whole vectors; `acc` holds `NQ·hdp` floats; `B` is the
+/// head's width, or 8 with `t3` (made for this head).
+#[inline(always)]
+pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
+    s: S,
+    g: Geo,
+    head: &PackedHead<'_>,
+    tp: &mut TileParams,
+    p: &[f32],
+    acc: &mut [f32],
+    mut t3: Option<Tile3<S>>,
+) {
+    let t_all = head.tokens();
+    let (gpr, cpg, hdp, nch) = (tp.gpr, tp.cpg, g.hdp, g.nch);
+    let gch = gpr.div_ceil(S::L);
+    let fold = NQ > 1;
+    // Floats per token of the per-vector scales.
+    let ne = nch.div_ceil(S::L) * S::L;
+    let mut wbuf = Buf::new(2 * S::T * ne);
+    // Lane `l` of index vector `m`: the group of vector `m·L + l`.
+    let mut idx = [[0i32; 16]; 2];
+    let perm = gch == 1 && ne <= 2 * S::L;
+    if perm {
+        for j in 0..nch {
+            idx[j / S::L][j % S::L] = tp.goff[j] as i32;
+        }
+    }
+    // SAFETY: each index array holds 16 ≥ L lanes.
+    let ix = unsafe {
+        [
+            s.load_i(idx[0].as_ptr() as *const f32),
+            s.load_i(idx[1].as_ptr() as *const f32),
+        ]
+    };
+    // `Σ_t p_t·zero_tg` of one query (several fold their zeros in).
+    let mut zacc = [s.zero(); 4];
+    let codes = head.codes().as_ptr();
+    assert!(acc.len() >= NQ * hdp && gch <= 4 && p.len() >= NQ * t_all);
+    // Column blocks: `NQ·jb` accumulators fill half the register file.
+    let jb = (S::REGS / 2 / NQ).max(1);
+    // 2- and 4-bit rows read a byte vector at a time: byte vector `jj`
+    // gives the `F = 8/B` vectors `jj + f·h` (its fields), so a block is
+    // `bb` byte vectors and `F·bb` accumulators per query. Field `f` is
+    // the exact difference of two masked prefixes of the byte (see
+    // `row_vec`), i.e. `2^{B·f}` times the field; it accumulates at that
+    // scale and is scaled back at the end. That costs up to 6 bits of
+    // exponent headroom: only with f16 scales (at most 65504), where it
+    // overflows only for weights beyond ≈10^30, not for probabilities.
+    let nf = 8 / B as usize;
+    let h = nch / nf;
+    let bb = (jb / nf).max(1).min(h.max(1));
+    let nib = matches!(B, 2 | 4)
+        && (g.hd / nf).is_multiple_of(S::L)
+        && h.is_multiple_of(bb)
+        && bb * nf <= 16
+        && tp.p.fmt == ScaleFormat::F16;
+    // Accumulator slots per field.
+    let fs = 16 / nf;
+    // Several queries fold each vector's zero in with its scale (`x·scale
+    // + zero`, one FMA per code vector) and need no per-query zero sums.
+    // On the byte-vector path vector `j` is field `j div h` at `2^{B·f}`
+    // times its codes, and so is its zero. (Exact: a power of two.)
+    let mut zbuf = Buf::new(2 * S::T * ne);
+    let mut fzv = [1f32; MAX_NCH];
+    if nib {
+        for (j, f) in fzv.iter_mut().enumerate().take(nch) {
+            *f = (1u32 << (B as usize * (j / h))) as f32;
+        }
+    }
+    // SAFETY: `fzv` holds `MAX_NCH` = 32 ≥ 2·L floats.
+    let fz = unsafe { [s.load(fzv.as_ptr()), s.load(fzv.as_ptr().add(S::L))] };
+    tp.spread = true;
+    // One query with `f16` params whose scales and zeros fit one vector:
+    // weights straight from the stored params ([`expand_scales_f16`]).
+    let direct = !fold && perm && tp.p.fmt == ScaleFormat::F16 && (tp.p.sym || 2 * gpr <= S::L);
+    let mut tail = vec![0u8; 2 * (S::T * tp.vals + S::L)];
+    // Two slots of `T` rows each: the next tile's weights are made before
+    // the current tile's loop, so out-of-order execution overlaps their
+    // latency chain (param load, convert, store, broadcast) with the loop
+    // instead of stalling the loop's first FMAs on it.
+    let slot = S::T * ne;
+    let (wp, zp) = (wbuf.m().as_mut_ptr(), zbuf.m().as_mut_ptr());
+    let tiles = t_all.div_ceil(S::T);
+    // Step `it` makes tile `it`'s weights (and, with several queries,
+    // zeros) into slot `it mod 2` (one query's zero sums into `zacc`),
+    // then runs tile `it − 1`. (A closure would not inherit the target
+    // features.)
+    for it in 0..=tiles {
+        if it < tiles {
+            let (t0, k) = (it * S::T, it % 2);
+            let n = S::T.min(t_all - t0);
+            let pw = (!fold).then(|| &p[t0..t0 + n]);
+            // SAFETY: slot `k < 2` of `wbuf`/`zbuf` (`2·T·ne` floats each).
+            let (w, zr) = unsafe { (wp.add(k * slot), zp.add(k * slot)) };
+            if direct {
+                let (vals, par) = (tp.vals, head.params());
+                let (a, b) = (2 * t0 * vals, 2 * ((n - 1) * vals + S::L));
+                // The last tiles read through a padded copy.
+                let src = if a + b <= par.len() {
+                    par[a..].as_ptr()
+                } else {
+                    tail.fill(0);
+                    tail[..2 * n * vals].copy_from_slice(&par[a..a + 2 * n * vals]);
+                    tail.as_ptr()
+                };
+                // SAFETY: `src` holds `b` bytes (checked, or the copy of
+                // `2·n·vals + 2·L` bytes); `pw` `n ≤ T` weights; the slot
+                // `T` rows of `ne ≤ 2·L`.
+                unsafe {
+                    expand_scales_f16(s, src, vals, pw.unwrap_or(&[]), ix, ne, w, &mut zacc[0])
+                };
+            } else {
+                tp.load(s, head, t0, n);
+                let d = tp.deq();
+                if perm {
+                    let zo = if fold { Some((zr, fz)) } else { None };
+                    // SAFETY: the params buffers are padded by `PAD ≥ L` floats
+                    // past the tile's last token; the slot holds `T ≥ n` rows of
+                    // `ne`.
+                    unsafe { expand_scales(s, d, pw, zo, ix, ne, n, w, &mut zacc[0]) };
+                } else {
+                    for t in 0..n {
+                        let k = pw.map_or(1.0, |pw| pw[t]);
+                        for (j, (&gj, &fj)) in tp.goff.iter().zip(&fzv).enumerate().take(nch) {
+                            let o = t * d.stride + gj as usize;
+                            // SAFETY: group `goff[j] < gpr` of token `t < n`; row
+                            // `t < T` of the slot, `j < nch ≤ ne`.
+                            unsafe {
+                                let (sc, ze) = (*d.sc.add(o), *d.ze.add(o));
+                                *w.add(t * ne + j) = sc * k;
+                                if fold {
+                                    *zr.add(t * ne + j) = ze * fj;
+                                }
+                            }
+                        }
+                    }
+                }
+                // (One query's zero sums were taken with its weights above;
+                // several queries' are folded into the code vectors.)
+                if !fold && !perm {
+                    // SAFETY: as above, `PAD ≥ gch·L`.
+                    unsafe { zero_sums(s, d, &p[t0..t0 + n], gch, &mut zacc) };
+                }
+            }
+        }
+        if it == 0 {
+            continue;
+        }
+        let (t0, k) = ((it - 1) * S::T, (it - 1) % 2);
+        let n = S::T.min(t_all - t0);
+        let ah = tp.ahead(head, t0);
+        // SAFETY: slot `k < 2`, as above.
+        let (wt, zt) = unsafe {
+            (
+                wp.add(k * slot) as *const f32,
+                zp.add(k * slot) as *const f32,
+            )
+        };
+        // SAFETY: vectors `j < nch` of `acc` (`hdp` floats per query),
+        // rows `t0..t0+n ≤ tokens` of `codes` (check_head), scales of
+        // vectors `j < nch ≤ ne`, weights `t0..t0+n` of each query.
+        unsafe {
+            let mut pq = [p.as_ptr(); NQ];
+            for (i, q) in pq.iter_mut().enumerate() {
+                *q = q.add(i * t_all + t0);
+            }
+            // The tile's rows: in place, or transcoded (`hd` bytes each).
+            let (tile, rb) = match &mut t3 {
+                Some(t3) => (t3.load(s, codes.add(t0 * g.rb), g.rb, n), g.hd),
+                None => (codes.add(t0 * g.rb), g.rb),
+            };
+            if const { matches!(B, 2 | 4) } && nib {
+                let mut jj0 = 0;
+                while jj0 < h {
+                    let mut a = [[s.zero(); 16]; NQ];
+                    unroll!(4; i in 0, NQ => {
+                        unroll!(4; f in 0, 4 => {
+                            unroll!(8; k in 0, 8 => {
+                                if f < nf && k < bb {
+                                    let o = i * hdp + (jj0 + k + f * h) * S::L;
+                                    a[i][f * fs + k] = s.load(acc.as_ptr().add(o));
+                                }
+                            });
+                        });
+                    });
+                    for tt in 0..n {
+                        if jj0 == 0 {
+                            ah[0].token(tt);
+                            ah[1].token(tt);
+                        }
+                        let row = tile.add(tt * rb + jj0 * S::L);
+                        let w = wt.add(tt * ne + jj0);
+                        let zr = zt.add(tt * ne + jj0);
+                        let mut pb = [s.zero(); NQ];
+                        if fold {
+                            unroll!(4; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                        }
+                        // One widening per byte vector; field `f` (vector
+                        // `jj + f·h`) is `v_f − v_{f−1}` of the masked
+                        // prefixes, exact and `2^{B·f}` times the field.
+                        unroll!(8; k in 0, 8 => {
+                            if k < bb {
+                                let bytes = s.load_u8(row.add(k * S::L));
+                                let mut v = [s.zero(); 4];
+                                let mut x = [s.zero(); 4];
+                                unroll!(4; f in 0, 4 => {
+                                    if f < nf {
+                                        v[f] = byte_prefix::<S, B>(s, bytes, f);
+                                        x[f] = if f == 0 { v[0] } else { s.sub(v[f], v[f - 1]) };
+                                    }
+                                });
+                                unroll!(4; f in 0, 4 => {
+                                    if f < nf {
+                                        let wf = s.bcast(w.add(f * h + k));
+                                        if fold {
+                                            let zf = s.bcast(zr.add(f * h + k));
+                                            let xf = s.fma(x[f], wf, zf);
+                                            unroll!(4; i in 0, NQ => {
+                                                a[i][f * fs + k] = s.fma(xf, pb[i], a[i][f * fs + k]);
+                                            });
+                                        } else {
+                                            a[0][f * fs + k] = s.fma(x[f], wf, a[0][f * fs + k]);
+                                        }
+                                    }
+                                });
+                            }
+                        });
+                    }
+                    unroll!(4; i in 0, NQ => {
+                        unroll!(4; f in 0, 4 => {
+                            unroll!(8; k in 0, 8 => {
+                                if f < nf && k < bb {
+                                    let o = i * hdp + (jj0 + k + f * h) * S::L;
+                                    s.store(acc.as_mut_ptr().add(o), a[i][f * fs + k]);
+                                }
+                            });
+                        });
+                    });
+                    jj0 += bb;
+                }
+            } else {
+                let mut j0 = 0;
+                while j0 < nch {
+                    let j1 = (j0 + jb).min(nch);
+                    let mut a = [[s.zero(); 16]; NQ];
+                    unroll!(4; i in 0, NQ => {
+                        unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
+                            a[i][j - j0] = s.load(acc.as_ptr().add(i * hdp + j * S::L));
+                        });
+                    });
+                    for tt in 0..n {
+                        if j0 == 0 {
+                            ah[0].token(tt);
+                            ah[1].token(tt);
+                        }
+                        let row = tile.add(tt * rb);
+                        let w = wt.add(tt * ne);
+                        let zr = zt.add(tt * ne);
+                        let mut pb = [s.zero(); NQ];
+                        if fold {
+                            unroll!(4; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                        }
+                        unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
+                            let x = codes_f32::<S, B>(s, row, g.hd, j);
+                            if fold {
+                                let x = s.fma(x, s.bcast(w.add(j)), s.bcast(zr.add(j)));
+                                unroll!(4; i in 0, NQ => {
+                                    a[i][j - j0] = s.fma(x, pb[i], a[i][j - j0]);
+                                });
+                            } else {
+                                a[0][j - j0] = s.fma(x, s.bcast(w.add(j)), a[0][j - j0]);
+                            }
+                        });
+                    }
+                    unroll!(4; i in 0, NQ => {
+                        unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
+                            s.store(acc.as_mut_ptr().add(i * hdp + j * S::L), a[i][j - j0]);
+                        });
+                    });
+                    j0 = j1;
+                }
+            }
+        }
+    }
+    if nib {
+        // Field `f` (channels `f·hd/F ..`) accumulated at `2^{B·f}`.
+        for a in acc.chunks_exact_mut(hdp).take(NQ) {
+            unscale_fields(&mut a[..g.hd], B as u32);
+        }
+    }
+    if !fold {
+        let mut zs = [0f32; 64];
+        for (c, z) in zacc.iter().enumerate().take(gch) {
+            // SAFETY: `zs` holds 64 ≥ 4·L floats.
+            unsafe { s.store(zs.as_mut_ptr().add(c * S::L), *z) };
+        }
+        // The direct path summed `(scales, zeros)`: a symmetric zero is
+        // `−half·scale`.
+        let (zo, zk) = match (direct, tp.p.sym) {
+            (false, _) => (0, 1.0),
+            (true, false) => (gpr, 1.0),
+            (true, true) => (0, -tp.p.half),
+        };
+        for (c, a) in acc[..g.hd].iter_mut().enumerate() {
+            *a += zs[zo + c / cpg] * zk;
+        }
+    }
+}
