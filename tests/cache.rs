@@ -2,22 +2,11 @@
 //! attention, GQA, all-or-nothing appends, accounting.
 
 use half::f16;
+mod common;
+
+use common::Rng;
 use kvq::cache::dense_attention;
 use kvq::{Axis, CacheConfig, Error, Group, KvCache, LayerCache, Mode, QuantScheme, ScaleFormat};
-
-/// Deterministic xorshift values in [-1, 1).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
 
 fn scheme(bits: u8, axis: Axis, group: Group) -> QuantScheme {
     QuantScheme::new(bits, axis, group).unwrap()
@@ -55,7 +44,7 @@ fn full_precision_window_equals_dense() {
     let (k, v) = kivi(4);
     let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(300);
     let mut c = LayerCache::new(cfg).unwrap();
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let (ks, vs) = fill(&mut c, 200, &mut rng);
     assert_eq!(c.packed_len(), (0, 0));
     assert_eq!(c.keys_f32(), ks);
@@ -80,7 +69,7 @@ fn eight_bit_is_close_to_dense() {
                 .keys(s)
                 .values(scheme(8, Axis::PerToken, Group::Size(32)));
         let mut c = LayerCache::new(cfg).unwrap();
-        let mut rng = Rng(11);
+        let mut rng = Rng::new(11);
         let (ks, vs) = fill(&mut c, 257, &mut rng);
         let q = rng.vec(8 * hd);
         let mut out = vec![0.0; 8 * hd];
@@ -105,7 +94,7 @@ fn eight_bit_is_close_to_dense() {
 #[test]
 fn streaming_equals_bulk_extend() {
     let (n_kv, hd) = (3, 64);
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     let configs = [
         {
             let (k, v) = kivi(2);
@@ -154,7 +143,7 @@ fn streaming_equals_bulk_extend() {
             let mut t = 0;
             let mut cuts = Vec::new();
             while t < len {
-                let n = (1 + (rng.next().abs() * 40.0) as usize).min(len - t);
+                let n = (1 + (rng.f().abs() * 40.0) as usize).min(len - t);
                 d.extend(&ks[t * w..(t + n) * w], &vs[t * w..(t + n) * w])
                     .unwrap();
                 cuts.push(n);
@@ -181,7 +170,7 @@ fn gqa_equals_per_head() {
         .residual(32)
         .sinks(2);
     let mut c = LayerCache::new(cfg).unwrap();
-    let mut rng = Rng(9);
+    let mut rng = Rng::new(9);
     fill(&mut c, 300, &mut rng);
     let (kd, vd) = (c.keys_f32(), c.values_f32());
     for r in [1usize, 2, 3, 8] {
@@ -219,7 +208,7 @@ fn per_channel_flush_across_block_boundaries() {
                 .residual(res)
                 .sinks(sinks);
             let mut c = LayerCache::new(cfg).unwrap();
-            let mut rng = Rng(len as u64 + 1);
+            let mut rng = Rng::new(len as u64 + 1);
             let (kr, vr) = fill(&mut c, len, &mut rng);
             let after_sinks = len.saturating_sub(sinks);
             let (pk, pv) = c.packed_len();
@@ -266,7 +255,7 @@ fn sinks_stay_exact() {
         .values(scheme(2, Axis::PerToken, Group::Size(32)))
         .sinks(4);
     let mut c = LayerCache::new(cfg).unwrap();
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     let (ks, _) = fill(&mut c, 40, &mut rng);
     let kd = c.keys_f32();
     assert_eq!(&kd[..4 * hd], &ks[..4 * hd]);
@@ -289,7 +278,7 @@ fn rejected_appends_leave_cache_untouched() {
             .residual(8)
             .sinks(1);
         let mut c = LayerCache::new(cfg).unwrap();
-        let mut rng = Rng(1);
+        let mut rng = Rng::new(1);
         fill(&mut c, 45, &mut rng);
         let before = c.clone();
         let w = n_kv * hd;
@@ -379,7 +368,7 @@ fn rejected_long_extend_rolls_back_every_chunk() {
             .values(v)
             .residual(40)
             .sinks(3);
-        let mut rng = Rng(33);
+        let mut rng = Rng::new(33);
         let mut c = LayerCache::new(cfg).unwrap();
         fill(&mut c, 45, &mut rng);
         let before = c.clone();
@@ -448,7 +437,7 @@ fn half_inputs_match_f32() {
     let (n_kv, hd) = (2, 64);
     let (k, v) = kivi(4);
     let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(4);
-    let mut rng = Rng(17);
+    let mut rng = Rng::new(17);
     let ks: Vec<f16> = rng
         .vec(70 * n_kv * hd)
         .into_iter()
@@ -474,7 +463,7 @@ fn causal_block_attention_and_window() {
     let (k, v) = kivi(4);
     let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(8);
     let mut c = LayerCache::new(cfg).unwrap();
-    let mut rng = Rng(21);
+    let mut rng = Rng::new(21);
     fill(&mut c, 100, &mut rng);
     let w = n_kv * hd;
     let n = 70;
@@ -565,7 +554,7 @@ fn accounting_matches_schemes() {
     );
     let (lk, lv) = (k.layout(n_kv, hd).unwrap(), v.layout(n_kv, hd).unwrap());
     let mut c = LayerCache::new(CacheConfig::new(n_kv, hd).keys(k).values(v)).unwrap();
-    let mut rng = Rng(2);
+    let mut rng = Rng::new(2);
     fill(&mut c, 1024, &mut rng);
     let b = c.bytes();
     assert_eq!(b.full_precision, 0);
@@ -623,7 +612,7 @@ fn accounting_matches_schemes() {
 fn threads_do_not_change_results() {
     let (n_kv, hd) = (8, 64);
     let (k, v) = kivi(4);
-    let mut rng = Rng(4);
+    let mut rng = Rng::new(4);
     let mut a = LayerCache::new(CacheConfig::new(n_kv, hd).keys(k).values(v).threads(1)).unwrap();
     let (ks, vs) = fill(&mut a, 3000, &mut rng);
     let mut b = LayerCache::new(CacheConfig::new(n_kv, hd).keys(k).values(v).threads(2)).unwrap();
@@ -639,7 +628,7 @@ fn threads_do_not_change_results() {
 fn every_backend_gives_the_same_attention() {
     let (n_kv, hd) = (2, 128);
     let (k, v) = kivi(2);
-    let mut rng = Rng(8);
+    let mut rng = Rng::new(8);
     let w = n_kv * hd;
     let (ks, vs) = (rng.vec(500 * w), rng.vec(500 * w));
     let q = rng.vec(4 * hd);
@@ -681,7 +670,7 @@ fn token_split_decode_matches_single_thread() {
                 .threads(t)
         };
         let mut a = LayerCache::new(mk(1)).unwrap();
-        let mut rng = Rng(n_kv as u64 + 40);
+        let mut rng = Rng::new(n_kv as u64 + 40);
         let (ks, vs) = fill(&mut a, 6001, &mut rng);
         let mut b = LayerCache::new(mk(2)).unwrap();
         b.extend(&ks, &vs).unwrap();
@@ -704,7 +693,7 @@ fn every_backend_gives_the_same_causal_block_attention() {
     // The reference model's shape: 3 KV heads of 64, 9 query heads, a
     // 512-token prefill window.
     let (n_kv, hd, n_q, n) = (3, 64, 9, 512);
-    let mut rng = Rng(31);
+    let mut rng = Rng::new(31);
     let w = n_kv * hd;
     let (ks, vs) = (rng.vec(n * w), rng.vec(n * w));
     let q: Vec<f32> = rng.vec(n * n_q * hd).iter().map(|x| 4.0 * x).collect();
@@ -742,7 +731,7 @@ fn every_backend_gives_the_same_causal_block_attention() {
 fn int8_kernels_are_opt_in_and_close_to_exact() {
     let (n_kv, hd, len) = (2, 128, 600);
     let (k, v) = kivi(4);
-    let mut rng = Rng(21);
+    let mut rng = Rng::new(21);
     let w = n_kv * hd;
     let (ks, vs) = (rng.vec(len * w), rng.vec(len * w));
     // One query per KV head (decode): both int8 kernels take it.

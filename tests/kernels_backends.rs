@@ -8,52 +8,15 @@
 //! `|out₀| + Σ_t |p_t|·(|scale·code| + |zero|)` — the numbers each kernel
 //! actually adds, whose rounding is what the backends may differ by.
 
+mod common;
+
+use common::{backends, Rng, KERNEL_TOL};
 use half::{bf16, f16};
 use kvq::kernels::{self, dense, reference};
 use kvq::{
     Axis, Backend, Group, KvQuantizer, Layout, Mode, PackedHead, QuantScheme, ScaleFormat,
     UniformQuantizer,
 };
-
-/// Relative tolerance against the summed magnitudes.
-const TOL: f64 = 1e-5;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    /// Uniform in `[-1, 1)`.
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len())]
-    }
-}
-
-/// Every backend this CPU runs; prints the ones it skips.
-fn backends() -> Vec<Backend> {
-    let mut v = Vec::new();
-    for &b in Backend::ALL {
-        if b.is_available() {
-            v.push(b);
-        } else {
-            println!(
-                "skipping backend {}: this CPU does not support it",
-                b.name()
-            );
-        }
-    }
-    assert!(v.contains(&Backend::Portable));
-    v
-}
 
 fn read(fmt: ScaleFormat, b: &[u8]) -> f32 {
     match fmt {
@@ -123,7 +86,7 @@ fn check_head(head: &PackedHead<'_>, rng: &mut Rng, nq: usize, what: &str) {
                     .sum();
                 let (g, w) = (got[i * t + tt] as f64, want[i * t + tt] as f64);
                 assert!(
-                    (g - w).abs() <= TOL * mag + 1e-38,
+                    (g - w).abs() <= KERNEL_TOL * mag + 1e-38,
                     "{} scores {what}, nq {nq}, query {i}, token {tt}: got {g}, want {w} (magnitude {mag})",
                     b.name()
                 );
@@ -139,7 +102,7 @@ fn check_head(head: &PackedHead<'_>, rng: &mut Rng, nq: usize, what: &str) {
                         .sum::<f64>();
                 let (g, w) = (got[i * hd + c] as f64, want_ws[i * hd + c] as f64);
                 assert!(
-                    (g - w).abs() <= TOL * mag + 1e-38,
+                    (g - w).abs() <= KERNEL_TOL * mag + 1e-38,
                     "{} weighted_sum {what}, nq {nq}, query {i}, channel {c}: got {g}, want {w} (magnitude {mag})",
                     b.name()
                 );
@@ -234,7 +197,7 @@ const FORMATS: [ScaleFormat; 3] = [ScaleFormat::F16, ScaleFormat::Bf16, ScaleFor
 /// the awkward token counts; groups and query counts vary by case.
 #[test]
 fn every_scheme_every_backend() {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
     for bits in 1..=8u8 {
         for axis in [Axis::PerToken, Axis::PerChannel] {
             for mode in MODES {
@@ -257,7 +220,7 @@ fn every_scheme_every_backend() {
 /// unpack path), and every group size.
 #[test]
 fn odd_head_dims_and_all_groups() {
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     for hd in [8, 24, 40, 72, 96, 200] {
         for bits in 1..=8u8 {
             for axis in [Axis::PerToken, Axis::PerChannel] {
@@ -279,7 +242,7 @@ fn odd_head_dims_and_all_groups() {
 /// (the run-time path, more vectors per row than any unrolled loop).
 #[test]
 fn wide_head_dims() {
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     for hd in [520, 1024] {
         for bits in [2, 4, 8] {
             for (axis, group) in [
@@ -300,7 +263,7 @@ fn wide_head_dims() {
 /// Long contexts (1023 tokens: many tiles, a partial last tile and block).
 #[test]
 fn long_context() {
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     for bits in [2, 3, 4, 8] {
         for (axis, group) in [
             (Axis::PerToken, Group::Size(32)),
@@ -322,7 +285,7 @@ fn long_context() {
 /// Zero-range groups, outliers, extreme magnitudes and subnormal scales.
 #[test]
 fn awkward_values() {
-    let mut rng = Rng(2024);
+    let mut rng = Rng::new(2024);
     let cases = [
         (Data::Constant, ScaleFormat::F16),
         (Data::Constant, ScaleFormat::F32),
@@ -357,7 +320,7 @@ fn awkward_values() {
 /// every code value appears, not just what a quantizer makes.
 #[test]
 fn random_bytes() {
-    let mut rng = Rng(0xDEAD_BEEF);
+    let mut rng = Rng::new(0xDEAD_BEEF);
     for _ in 0..150 {
         let bits = 1 + rng.below(8) as u8;
         let axis = rng.pick(&[Axis::PerToken, Axis::PerChannel]);
@@ -371,7 +334,7 @@ fn random_bytes() {
         let l: Layout = s.layout(1, hd).unwrap();
         let tokens = rng.pick(&[1, 7, 31, 33, 64]);
         let codes: Vec<u8> = (0..l.head_code_bytes(tokens))
-            .map(|_| rng.next() as u8)
+            .map(|_| rng.next_u64() as u8)
             .collect();
         let n = l.param_bytes(tokens) / s.scale_format().bytes();
         let mut params = vec![0u8; l.param_bytes(tokens)];
@@ -425,7 +388,7 @@ fn backend_api() {
 /// Dense baselines against plain loops, every backend, odd shapes.
 #[test]
 fn dense_baselines() {
-    let mut rng = Rng(99);
+    let mut rng = Rng::new(99);
     for hd in [1, 3, 8, 15, 16, 64, 72, 128, 130] {
         for t in [0, 1, 7, 15, 16, 17, 33, 100] {
             let nq = 1 + rng.below(5);
@@ -507,7 +470,7 @@ fn length_errors() {
 /// Softmax and its unnormalized parts against f64, every backend.
 #[test]
 fn softmax_every_backend() {
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     for n in [0, 1, 2, 7, 15, 16, 17, 31, 100, 1000, 4099] {
         for spread in [1.0f32, 30.0, 200.0] {
             let x: Vec<f32> = (0..n).map(|_| rng.f() * spread).collect();
@@ -558,7 +521,7 @@ fn softmax_every_backend() {
 /// they are the exact scores).
 #[test]
 fn int8_scores_error_bound() {
-    let mut rng = Rng(31337);
+    let mut rng = Rng::new(31337);
     for bits in [1, 2, 3, 4, 5, 8] {
         for hd in [64, 128, 256] {
             for fmt in FORMATS {
@@ -605,7 +568,7 @@ fn int8_scores_error_bound() {
                             let mag: f64 = (0..hd)
                                 .map(|c| qi[c].abs() as f64 * bound[t * hd + c])
                                 .sum();
-                            let lim = delta / 2.0 * sum_codes * (1.0 + 1e-6) + TOL * mag;
+                            let lim = delta / 2.0 * sum_codes * (1.0 + 1e-6) + KERNEL_TOL * mag;
                             let (g, w) = (got[i * tokens + t] as f64, want[i * tokens + t] as f64);
                             assert!(
                                 (g - w).abs() <= lim,
@@ -628,7 +591,7 @@ fn int8_scores_error_bound() {
 #[test]
 fn quantize_is_bit_identical_on_every_backend() {
     let bes = backends();
-    let mut rng = Rng(0xC0FFEE);
+    let mut rng = Rng::new(0xC0FFEE);
     let datas = [
         Data::Uniform,
         Data::Constant,

@@ -3,40 +3,15 @@
 //! Run the demonstration with its table:
 //! `cargo test --test metrics_plan axis_demonstration -- --nocapture`.
 
+mod common;
+
+use common::Rng;
 use kvq::metrics::{
     capture_errors, head_errors, head_errors_quantized, layer_errors, layer_errors_quantized,
     model_errors, AttentionErrors, AttnShape, ErrorSummary, LayerCapture, MetricsConfig,
 };
 use kvq::plan::{CacheFormat, MemoryModel, Objective, Planner, Role, SchemeGrid, GB};
 use kvq::{Axis, Error, Group, KvQuantizer, Mode, QuantScheme, ScaleFormat, UniformQuantizer};
-
-// ---------------------------------------------------------------------------
-// A seeded generator (splitmix64), so every number here is reproducible.
-
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// Standard normal (Box–Muller).
-    fn normal(&mut self) -> f64 {
-        let u1 = self.uniform().max(1e-300);
-        let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.uniform() * n as f64) as usize
-    }
-}
 
 // ---------------------------------------------------------------------------
 // The demonstration: the structure FINDINGS.md (study B) documents.
@@ -83,9 +58,9 @@ const DEMO: Structure = Structure {
 ///   concentrated: most of the mass on a few tokens.
 fn synthetic_head(st: Structure, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (t, d) = (st.tokens, st.head_dim);
-    let mut r = Rng(seed);
+    let mut r = Rng::new(seed);
     let outliers = [(0usize, 15.0), (1, -15.0), (2, 12.0), (3, -12.0)];
-    let mut k: Vec<f64> = (0..t * d).map(|_| r.normal()).collect();
+    let mut k: Vec<f64> = (0..t * d).map(|_| r.normal64()).collect();
     for tok in 0..t {
         for &(c, off) in &outliers {
             k[tok * d + c] += off;
@@ -93,11 +68,11 @@ fn synthetic_head(st: Structure, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     }
     let half = st.value_channel_spread.ln() / 2.0;
     let chan: Vec<f64> = (0..d)
-        .map(|_| (half * (2.0 * r.uniform() - 1.0)).exp())
+        .map(|_| (half * (2.0 * r.unit64() - 1.0)).exp())
         .collect();
     let mut tok_scale = vec![1.0; t];
     for s in tok_scale.iter_mut() {
-        if r.uniform() < st.loud_fraction {
+        if r.unit64() < st.loud_fraction {
             *s = st.loud_scale;
         }
     }
@@ -112,7 +87,7 @@ fn synthetic_head(st: Structure, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         tok_scale[a] = st.attended_scale;
     }
     let v: Vec<f64> = (0..t * d)
-        .map(|i| r.normal() * chan[i % d] * tok_scale[i / d])
+        .map(|i| r.normal64() * chan[i % d] * tok_scale[i / d])
         .collect();
     let mut q = vec![0f64; st.queries * d];
     for i in 0..st.queries {
@@ -127,7 +102,7 @@ fn synthetic_head(st: Structure, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
             } else {
                 (k[a * d + c] + k[b * d + c]) / 2.0
             };
-            q[i * d + c] = st.sharpness * plain + 0.1 * r.normal();
+            q[i * d + c] = st.sharpness * plain + 0.1 * r.normal64();
         }
     }
     let f = |x: Vec<f64>| x.into_iter().map(|v| v as f32).collect::<Vec<f32>>();

@@ -1,0 +1,90 @@
+//! What the integration tests share: one seeded generator, the list of
+//! backends under test, and the kernel-against-oracle tolerance.
+//!
+//! Each test binary compiles its own copy, so an item one of them does not
+//! use is expected.
+#![allow(dead_code)]
+
+use kvq::Backend;
+
+/// Relative tolerance of a SIMD kernel against the `f64` oracle, as a
+/// fraction of the summed magnitudes (`Σ|q_c·k̂_c|`, `Σ|p_t·v̂_t|`).
+pub const KERNEL_TOL: f64 = 1e-5;
+
+/// xorshift64*, seeded through a multiply so that small and zero seeds
+/// give unrelated streams: deterministic data without a rand dependency.
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator for `seed`.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    /// 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    /// One of `xs`, uniformly.
+    pub fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len())]
+    }
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    /// Uniform in `[-1, 1)`.
+    pub fn f(&mut self) -> f32 {
+        self.unit() * 2.0 - 1.0
+    }
+    /// Uniform in `[lo, hi)`.
+    pub fn range(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * self.unit()
+    }
+    /// `n` values uniform in `[-1, 1)`.
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+    /// Roughly standard normal (sum of 4 uniforms, rescaled).
+    pub fn normal(&mut self) -> f32 {
+        let s: f32 = (0..4).map(|_| self.unit()).sum();
+        (s - 2.0) * 1.732
+    }
+    /// Uniform in `[0, 1)`, with 53 random bits.
+    pub fn unit64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Standard normal (Box–Muller).
+    pub fn normal64(&mut self) -> f64 {
+        let u1 = self.unit64().max(1e-300);
+        let u2 = self.unit64();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+}
+
+/// Every backend this CPU runs, in `Backend::ALL` order, printing the ones
+/// it skips (visible with `cargo test -- --nocapture`).
+pub fn backends() -> Vec<Backend> {
+    let available = Backend::available();
+    assert!(available.contains(&Backend::Portable));
+    assert!(available.contains(&Backend::detect()));
+    for &b in Backend::ALL {
+        if !available.contains(&b) {
+            eprintln!(
+                "skipping backend {}: this CPU does not support it",
+                b.name()
+            );
+        }
+    }
+    Backend::ALL
+        .iter()
+        .copied()
+        .filter(|b| available.contains(b))
+        .collect()
+}
