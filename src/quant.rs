@@ -499,10 +499,9 @@ mod block_kernel {
         pub(super) params: &'a mut [u8],
     }
 
-    impl Kernel for QuantizeBlock<'_> {
-        type Output = Result<()>;
-
-        fn portable(self) -> Result<()> {
+    impl QuantizeBlock<'_> {
+        #[inline(always)]
+        fn run<O: QuantOps>(self, ops: O) -> Result<()> {
             let QuantizeBlock {
                 l,
                 rows,
@@ -512,22 +511,21 @@ mod block_kernel {
                 codes,
                 params,
             } = self;
-            quantize_channel_block_generic(Scalar, l, rows, tb, h, token0, codes, params)
+            quantize_channel_block_generic(ops, l, rows, tb, h, token0, codes, params)
+        }
+    }
+
+    impl Kernel for QuantizeBlock<'_> {
+        type Output = Result<()>;
+
+        fn portable(self) -> Result<()> {
+            self.run(Scalar)
         }
 
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
         fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
-            let QuantizeBlock {
-                l,
-                rows,
-                tb,
-                h,
-                token0,
-                codes,
-                params,
-            } = self;
-            quantize_channel_block_generic(s, l, rows, tb, h, token0, codes, params)
+            self.run(s)
         }
     }
 }
