@@ -12,7 +12,7 @@ use crate::store::PackedHead;
 /// [`Backend::detect`].
 ///
 /// # Errors
-/// [`Error::Length`] when `q` is empty or not a multiple of `head_dim`, or
+/// [`Error::Length`](crate::Error::Length) when `q` is empty or not a multiple of `head_dim`, or
 /// `out` is not `n_q·tokens` long.
 ///
 /// # Example: scores from packed keys

@@ -12,7 +12,7 @@ use crate::store::PackedHead;
 /// [`Backend::detect`].
 ///
 /// # Errors
-/// [`Error::Length`] when `out` is empty or not a multiple of `head_dim`, or
+/// [`Error::Length`](crate::Error::Length) when `out` is empty or not a multiple of `head_dim`, or
 /// `p` is not `n_q·tokens` long.
 pub fn weighted_sum(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) -> Result<()> {
     weighted_sum_on(Backend::detect(), head, p, out)
