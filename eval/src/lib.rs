@@ -1,25 +1,35 @@
-//! Shared code of the real-model evaluation harness (examples and tests).
-//!
-//! Used by examples via `#[path = "common/mod.rs"] mod common;` and by
-//! integration tests via `#[path = "../examples/common/mod.rs"] mod common;`.
-//! Each user compiles its own copy, so items one of them does not use are
-//! expected.
+//! The real-model evaluation harness of `kvq`: the library behind the
+//! top-level examples (`cargo run --release --example sweep`, `ppl`, `axes`,
+//! `capture`, `dump_logits`, `tokenize`, `int8_error`) and the root's
+//! `tests/eval_model.rs` and `tests/real_model.rs`.
 //!
 //! * [`gguf`]: GGUF reader and dequantization.
 //! * [`tokenizer`]: byte-level BPE (SmolLM2 / GPT-2 style).
-//! * [`kvq_store`]: the model's KV store backed by `kvq::KvCache`.
 //! * [`model`]: reference Llama-style transformer with a pluggable KV store.
+//! * [`kvq_store`]: the model's KV store backed by `kvq::KvCache`.
 //! * [`ppl`]: perplexity protocol (512-token windows from an empty cache).
 //! * [`capture`]: per-layer Q/K/V dumps (`KVQCAP01`).
 //! * [`assets`]: locations of the files fetched by `scripts/fetch-assets.sh`.
-#![allow(dead_code)]
+//! * [`report`]: aligned tables, CSV/JSON files, the sweep's SVG plot and
+//!   progress bars.
+//! * [`programs`]: the examples' command lines (`clap`) and their bodies;
+//!   each example is `fn main() { kvq_eval::program(programs::X::run) }`.
 
+pub mod assets;
 pub mod capture;
 pub mod gguf;
 pub mod kvq_store;
 pub mod model;
 pub mod ppl;
+pub mod programs;
+pub mod report;
 pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// The error type of the programs: anything printable.
+pub type BoxError = Box<dyn std::error::Error>;
 
 /// Let matrixmultiply use every available core unless `MATMUL_NUM_THREADS`
 /// is set (its own default counts *physical* cores, which some VMs report as
@@ -31,40 +41,23 @@ pub fn init_threads() {
     }
 }
 
-/// Locations of the evaluation assets (see `scripts/fetch-assets.sh`).
-pub mod assets {
-    use std::path::PathBuf;
+/// The repository root (the `kvq` package's directory, parent of `eval/`).
+pub fn repo_root() -> PathBuf {
+    let eval = Path::new(env!("CARGO_MANIFEST_DIR"));
+    eval.parent().unwrap_or(eval).to_path_buf()
+}
 
-    /// File name of the model.
-    pub const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-    /// File name of the prose corpus.
-    pub const AUSTEN: &str = "austen.txt";
-    /// File name of the code corpus.
-    pub const CODE: &str = "python-stdlib.txt";
-
-    /// The assets directory: `$KVQ_ASSETS` if set, else `<repo>/assets`.
-    pub fn dir() -> PathBuf {
-        std::env::var_os("KVQ_ASSETS")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets"))
-    }
-
-    /// Path of an asset file.
-    pub fn path(name: &str) -> PathBuf {
-        dir().join(name)
-    }
-
-    /// Whether all three asset files exist.
-    pub fn present() -> bool {
-        [MODEL, AUSTEN, CODE].iter().all(|f| path(f).is_file())
-    }
-
-    /// Resolve a corpus name (`austen`, `code`) or a path to a file path.
-    pub fn corpus(name: &str) -> PathBuf {
-        match name {
-            "austen" | "prose" => path(AUSTEN),
-            "code" | "python" => path(CODE),
-            other => PathBuf::from(other),
+/// The `main` of every example: [`init_threads`], parse the command line
+/// into `A` (`--help` and usage errors exit through `clap`, the latter with
+/// status 2), run, and print an error with exit status 1.
+pub fn program<A: clap::Parser>(run: fn(A) -> Result<(), BoxError>) -> ExitCode {
+    init_threads();
+    let args = A::parse();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
         }
     }
 }
