@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cross-check the Rust tokenizer (examples/common/tokenizer.rs) against the
+"""Cross-check the Rust tokenizer (eval/src/tokenizer.rs) against the
 Hugging Face `tokenizers` package.
 
 The reference tokenizer is assembled from the GGUF's own vocabulary and

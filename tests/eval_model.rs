@@ -1,16 +1,15 @@
-//! Tests of the evaluation harness in `examples/common` that need no assets:
+//! Tests of the evaluation harness (`kvq-eval`, in `eval/`) that need no assets:
 //! the reference transformer (prefill vs decode, quant points, q/k norm),
 //! the GGUF reader (round trip of a file written here, truncation and
 //! corruption), the tokenizer (tiny vocabulary) and the capture format.
 
-#[path = "../examples/common/mod.rs"]
-mod common;
-
-use common::capture::{Capture, Recorder};
-use common::gguf::{GgmlType, Gguf, Value};
-use common::model::{Config, DenseStore, Hooks, KvStore, Model, QuantPoint, RopeStyle, RoundTrip};
-use common::ppl::{perplexity, window_logits, EvalPath, PplOptions};
-use common::tokenizer::Tokenizer;
+use kvq_eval::capture::{Capture, Recorder};
+use kvq_eval::gguf::{GgmlType, Gguf, Value};
+use kvq_eval::model::{
+    Config, DenseStore, Hooks, KvStore, Model, QuantPoint, RopeStyle, RoundTrip,
+};
+use kvq_eval::ppl::{perplexity, window_logits, EvalPath, PplOptions};
+use kvq_eval::tokenizer::Tokenizer;
 
 // ---------------------------------------------------------------- model ----
 
@@ -32,7 +31,7 @@ fn tiny_config(rope_style: RopeStyle) -> Config {
 }
 
 fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut rng = common::model::SplitMix64(seed);
+    let mut rng = kvq_eval::model::SplitMix64(seed);
     (0..n)
         .map(|_| (rng.next_u64() % vocab as u64) as u32)
         .collect()
@@ -540,7 +539,7 @@ fn gguf_reads_back_metadata_and_tensors() {
     assert_eq!(
         nested[1],
         Value::Array(
-            common::gguf::ValueType::I16,
+            kvq_eval::gguf::ValueType::I16,
             vec![Value::I16(7), Value::I16(8)]
         )
     );

@@ -10,15 +10,12 @@
 //! within 5 % of the full-precision perplexity on the first window of each
 //! corpus (measured: +1.6 % prose, see RESULTS.md).
 
-#[path = "../examples/common/mod.rs"]
-mod common;
-
-use common::assets;
-use common::gguf::Gguf;
-use common::kvq_store::{CacheSpec, KvqStore};
-use common::model::{DenseStore, Hooks, Model};
-use common::ppl::{perplexity, EvalPath, PplOptions};
-use common::tokenizer::Tokenizer;
+use kvq_eval::assets;
+use kvq_eval::gguf::Gguf;
+use kvq_eval::kvq_store::{CacheSpec, KvqStore};
+use kvq_eval::model::{DenseStore, Hooks, Model};
+use kvq_eval::ppl::{perplexity, EvalPath, PplOptions};
+use kvq_eval::tokenizer::Tokenizer;
 
 /// Full-precision perplexity of the first 512-token window, all predictions
 /// and second half, as measured on x86-64 in f32 (`docs/RESULTS.md`).
@@ -31,7 +28,7 @@ fn real_model_tokenizer_and_first_window_perplexity() {
         println!("skipping: assets missing, run scripts/fetch-assets.sh");
         return;
     }
-    common::init_threads();
+    kvq_eval::init_threads();
     let g = Gguf::open(assets::path(assets::MODEL)).unwrap();
     let tok = Tokenizer::from_gguf(&g).unwrap();
     let model = Model::from_gguf(&g).unwrap();

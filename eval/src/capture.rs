@@ -25,7 +25,7 @@ use std::fmt;
 use std::io::{self, Read, Write};
 use std::path::Path;
 
-use super::model::{LayerActivations, Observer};
+use crate::model::{LayerActivations, Observer};
 
 /// File magic.
 pub const MAGIC: &[u8; 8] = b"KVQCAP01";

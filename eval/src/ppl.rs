@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use ndarray::ArrayView2;
 
-use super::model::{Hooks, KvStore, Model, ModelError, Result};
+use crate::model::{Hooks, KvStore, Model, ModelError, Result};
 
 /// How the tokens of a window are fed to the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

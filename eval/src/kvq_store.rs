@@ -2,7 +2,7 @@
 //! [`kvq::KvCache`] exactly where an engine stores them (post-RoPE keys,
 //! `v_proj` values), and attention runs on the fused kernels.
 
-use super::model::KvStore;
+use crate::model::KvStore;
 use kvq::{CacheConfig, KvCache, QuantScheme};
 
 /// Schemes and windows of a quantized cache (`None` keeps that tensor in

@@ -34,7 +34,7 @@ use std::fmt;
 
 use ndarray::{s, Array2, ArrayView2, ArrayViewMut2, Axis};
 
-use super::gguf::{Gguf, GgufError};
+use crate::gguf::{Gguf, GgufError};
 
 /// Model loading or evaluation failure.
 #[derive(Debug)]

@@ -19,7 +19,7 @@ use std::fmt;
 
 use fancy_regex::Regex;
 
-use super::gguf::Gguf;
+use crate::gguf::Gguf;
 
 /// The GPT-2 pre-tokenizer pattern.
 pub const GPT2_PATTERN: &str =
@@ -82,7 +82,7 @@ impl Tokenizer {
     /// Fails if the model is not a GPT-2 style BPE (`tokenizer.ggml.model`) or
     /// the pre-tokenizer (`tokenizer.ggml.pre`, if present) is not `smollm`.
     pub fn from_gguf(g: &Gguf) -> Result<Self, TokenizerError> {
-        let e = |e: super::gguf::GgufError| TokenizerError(e.to_string());
+        let e = |e: crate::gguf::GgufError| TokenizerError(e.to_string());
         let model = g.get_str("tokenizer.ggml.model").map_err(e)?;
         if model != "gpt2" {
             return err(format!("unsupported tokenizer model {model:?}"));

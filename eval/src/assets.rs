@@ -1,0 +1,57 @@
+//! Locations of the evaluation assets (see `scripts/fetch-assets.sh`).
+
+use std::path::PathBuf;
+
+/// File name of the model.
+pub const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// File name of the prose corpus.
+pub const AUSTEN: &str = "austen.txt";
+/// File name of the code corpus.
+pub const CODE: &str = "python-stdlib.txt";
+
+/// The assets directory: `$KVQ_ASSETS` if set, else `<repo>/assets`.
+pub fn dir() -> PathBuf {
+    std::env::var_os("KVQ_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| crate::repo_root().join("assets"))
+}
+
+/// Path of an asset file.
+pub fn path(name: &str) -> PathBuf {
+    dir().join(name)
+}
+
+/// Whether all three asset files exist.
+pub fn present() -> bool {
+    [MODEL, AUSTEN, CODE].iter().all(|f| path(f).is_file())
+}
+
+/// Resolve a corpus name (`austen`, `code`) or a path to a file path.
+pub fn corpus(name: &str) -> PathBuf {
+    match name {
+        "austen" | "prose" => path(AUSTEN),
+        "code" | "python" => path(CODE),
+        other => PathBuf::from(other),
+    }
+}
+
+/// Make sure the assets are present: if they are not and `fetch` is set,
+/// run `scripts/fetch-assets.sh` (pip + apt, checked by sha256).
+pub fn ensure(fetch: bool) -> Result<(), String> {
+    if present() {
+        return Ok(());
+    }
+    if !fetch {
+        return Err("assets missing: run scripts/fetch-assets.sh".into());
+    }
+    eprintln!("assets missing: running scripts/fetch-assets.sh");
+    let script = crate::repo_root().join("scripts/fetch-assets.sh");
+    let st = std::process::Command::new("bash")
+        .arg(&script)
+        .status()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    if !st.success() || !present() {
+        return Err(format!("{} failed ({st})", script.display()));
+    }
+    Ok(())
+}

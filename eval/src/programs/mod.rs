@@ -1,0 +1,60 @@
+//! The examples' programs: one module per `cargo run --release --example X`,
+//! each with its command line (`Args`, a `clap` parser: every program has
+//! `--help`) and its body (`run`).
+//!
+//! * [`sweep`]: perplexity of SmolLM2-135M over a grid of kvq caches.
+//! * [`ppl`]: perplexity with a full-precision cache.
+//! * [`axes`]: which grouping axis suits keys and values (study B).
+//! * [`capture`]: a `KVQCAP01` file of one window's Q/K/V.
+//! * [`dump_logits`]: logits for `scripts/crosscheck.py`.
+//! * [`tokenize`]: token ids for `scripts/check_tokenizer.py`.
+//! * [`int8_error`]: the int8 kernels' extra error on synthetic data.
+
+pub mod axes;
+pub mod capture;
+pub mod dump_logits;
+pub mod int8_error;
+pub mod ppl;
+pub mod sweep;
+pub mod tokenize;
+
+use std::path::PathBuf;
+
+use crate::gguf::Gguf;
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+use crate::BoxError;
+
+/// `--model PATH` when given, else the fetched model in the assets directory.
+pub(crate) fn model_path(model: Option<PathBuf>) -> PathBuf {
+    model.unwrap_or_else(|| crate::assets::path(crate::assets::MODEL))
+}
+
+/// The tokenizer and the model of a GGUF file.
+pub fn load(path: &std::path::Path) -> Result<(Tokenizer, Model), BoxError> {
+    let gguf = Gguf::open(path)?;
+    let tok = Tokenizer::from_gguf(&gguf)?;
+    let model = Model::from_gguf(&gguf)?;
+    Ok((tok, model))
+}
+
+/// The first `n` tokens (or more) of a text, tokenizing only a prefix: the
+/// pre-tokenizer is local, so the first tokens do not depend on the cut.
+/// Returns fewer than `n` only when the whole text has fewer.
+pub fn prefix_tokens(tok: &Tokenizer, text: &str, n: usize) -> Result<Vec<u32>, BoxError> {
+    let mut cut = (n * 16).min(text.len());
+    loop {
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let prefix = match text[..cut].rfind('\n') {
+            Some(i) if cut < text.len() => &text[..i + 1],
+            _ => &text[..cut],
+        };
+        let ids = tok.encode(prefix)?;
+        if ids.len() > n + 64 || cut == text.len() {
+            return Ok(ids);
+        }
+        cut = (cut * 2).min(text.len());
+    }
+}

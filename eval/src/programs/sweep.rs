@@ -1,0 +1,459 @@
+//! The sweep: perplexity of SmolLM2-135M with kvq caches of many K/V schemes,
+//! on prose (Jane Austen) and code (the Python standard library).
+//!
+//! ```text
+//! cargo run --release --example sweep -- [--full] [--tokens N] [--window 512]
+//!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
+//!     [--out results] [--no-fetch] [--only SUBSTR,SUBSTR]
+//! ```
+//!
+//! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
+//! (pip + apt, checked by sha256). For every domain and configuration it
+//! runs the studies' protocol (non-overlapping 512-token windows, each from
+//! an empty cache) and reports effective bits, compression against an f16
+//! cache, perplexity, Δppl against the full-precision cache, and the mean
+//! attention KL of the first window (exact vs quantized attention over the
+//! real Q/K/V, via `kvq::metrics`). Writes `sweep.csv`, `sweep.json` and
+//! `sweep.svg` (Δppl against effective bits, every point labelled, each
+//! domain's Pareto front drawn) into `--out`.
+//!
+//! The default grid (11 configurations × 2 domains × 4096 tokens) takes
+//! about ten minutes on 2 cores; `--full` sweeps bits 2–8 × axis × group.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Parser;
+use kvq::{Axis, Group, QuantScheme};
+use serde::Serialize;
+
+use crate::capture::{Capture, Recorder};
+use crate::kvq_store::{CacheSpec, KvqStore};
+use crate::model::Hooks;
+use crate::ppl::{perplexity, window_nll, EvalPath, PplOptions};
+use crate::report::{self, Align, PlotPoint, Table};
+use crate::BoxError;
+
+/// Perplexity of SmolLM2-135M with kvq caches of many K/V schemes, on prose
+/// (Jane Austen) and code (the Python standard library).
+///
+/// Fetches the assets with scripts/fetch-assets.sh when they are missing.
+/// For every domain and configuration: effective bits, compression against
+/// an f16 cache, perplexity (all predictions and second half of each
+/// window), Δppl against the full-precision cache, and the mean attention KL
+/// of the first window. Writes sweep.csv, sweep.json and sweep.svg into
+/// --out. The default grid takes about ten minutes on 2 cores.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "sweep")]
+pub struct Args {
+    /// Sweep bits 2–8 for keys and values × axis × group (8192 tokens unless --tokens).
+    #[arg(long)]
+    pub full: bool,
+    /// Tokens per domain (default: 4096; 8192 with --full).
+    #[arg(long, value_name = "N")]
+    pub tokens: Option<usize>,
+    /// Tokens per window; each window starts from an empty cache.
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    pub window: usize,
+    /// Corpora: austen, code, or paths.
+    #[arg(
+        long,
+        value_name = "D,D",
+        value_delimiter = ',',
+        default_value = "austen,code"
+    )]
+    pub domains: Vec<String>,
+    /// Feed each window as one block (prefill) or token by token (decode).
+    #[arg(long, value_name = "prefill|decode", default_value = "prefill")]
+    pub path: EvalPath,
+    /// Most recent tokens kept in full precision.
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    pub residual: usize,
+    /// First tokens kept in full precision (attention sinks).
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub sinks: usize,
+    /// Output directory (default: `<repo>/results`).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Fail instead of running scripts/fetch-assets.sh when assets are missing.
+    #[arg(long)]
+    pub no_fetch: bool,
+    /// Only the configurations whose name contains one of these (the baseline always runs).
+    #[arg(long, value_name = "SUBSTR,SUBSTR")]
+    pub only: Option<String>,
+}
+
+impl Args {
+    /// The perplexity settings these arguments ask for.
+    pub fn ppl_options(&self) -> PplOptions {
+        PplOptions {
+            n_tokens: self.tokens.unwrap_or(if self.full { 8192 } else { 4096 }),
+            window: self.window,
+            path: self.path,
+        }
+    }
+}
+
+/// One cache configuration of the grid.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Its label in the table, files and plot.
+    pub name: String,
+    /// The cache.
+    pub spec: CacheSpec,
+}
+
+impl Config {
+    /// Whether this is the full-precision baseline.
+    pub fn is_baseline(&self) -> bool {
+        self.spec.keys.is_none() && self.spec.values.is_none()
+    }
+}
+
+fn s(bits: u8, axis: Axis, group: Group) -> QuantScheme {
+    QuantScheme::new(bits, axis, group).expect("grid schemes are valid")
+}
+
+/// The grid: the full-precision baseline first, then the default selection
+/// or (`full`) bits {2,3,4,6,8}² × {per-token 32, per-token head, KIVI} and
+/// per-token vector groups at 2–4 bits; every cache with `residual` and
+/// `sinks`.
+pub fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
+    let mk = |name: String, k: Option<QuantScheme>, v: Option<QuantScheme>| Config {
+        name,
+        spec: CacheSpec {
+            keys: k,
+            values: v,
+            residual,
+            sinks,
+            int8: false,
+        },
+    };
+    let pt = |b, g| s(b, Axis::PerToken, g);
+    let pc = |b, g| s(b, Axis::PerChannel, g);
+    let mut g = vec![mk("fp32 (baseline)".into(), None, None)];
+    if !full {
+        let g32 = Group::Size(32);
+        let g64 = Group::Size(64);
+        g.push(mk("K8/V8 pt32".into(), Some(pt(8, g32)), Some(pt(8, g32))));
+        g.push(mk(
+            "K4/V4 KIVI pc32/pt32".into(),
+            Some(pc(4, g32)),
+            Some(pt(4, g32)),
+        ));
+        // The same cache read through the opt-in int8 kernels (int8 query;
+        // int8 weights where one query per KV head reaches them).
+        let mut kivi_i8 = mk(
+            "K4/V4 KIVI pc32/pt32 int8 kernels".into(),
+            Some(pc(4, g32)),
+            Some(pt(4, g32)),
+        );
+        kivi_i8.spec.int8 = true;
+        g.push(kivi_i8);
+        g.push(mk("K4/V4 pt32".into(), Some(pt(4, g32)), Some(pt(4, g32))));
+        g.push(mk(
+            "K4/V4 pt-vector".into(),
+            Some(pt(4, Group::Vector)),
+            Some(pt(4, Group::Vector)),
+        ));
+        g.push(mk("K6/V4 pt64".into(), Some(pt(6, g64)), Some(pt(4, g64))));
+        g.push(mk("K4/V6 pt64".into(), Some(pt(4, g64)), Some(pt(6, g64))));
+        g.push(mk("K4/V8 pt32".into(), Some(pt(4, g32)), Some(pt(8, g32))));
+        g.push(mk(
+            "K2/V2 KIVI pc32/pt32".into(),
+            Some(pc(2, g32)),
+            Some(pt(2, g32)),
+        ));
+        g.push(mk(
+            "K3/V3 KIVI pc32/pt32".into(),
+            Some(pc(3, g32)),
+            Some(pt(3, g32)),
+        ));
+        return g;
+    }
+    for kb in [2u8, 3, 4, 6, 8] {
+        for vb in [2u8, 3, 4, 6, 8] {
+            for (gname, grp) in [("32", Group::Size(32)), ("head", Group::Head)] {
+                g.push(mk(
+                    format!("K{kb}/V{vb} pt{gname}"),
+                    Some(pt(kb, grp)),
+                    Some(pt(vb, grp)),
+                ));
+            }
+            g.push(mk(
+                format!("K{kb}/V{vb} KIVI pc32/pt32"),
+                Some(pc(kb, Group::Size(32))),
+                Some(pt(vb, Group::Size(32))),
+            ));
+        }
+    }
+    for b in [2u8, 3, 4] {
+        g.push(mk(
+            format!("K{b}/V{b} pt-vector"),
+            Some(pt(b, Group::Vector)),
+            Some(pt(b, Group::Vector)),
+        ));
+    }
+    g
+}
+
+/// Effective bits of a K/V pair (16 for an f16-equivalent full-precision tensor).
+pub fn effective_bits(spec: &CacheSpec, n_kv: usize, hd: usize) -> f64 {
+    let eb = |s: Option<QuantScheme>| {
+        s.map_or(16.0, |s| {
+            s.layout(n_kv, hd).map_or(f64::NAN, |l| l.effective_bits())
+        })
+    };
+    (eb(spec.keys) + eb(spec.values)) / 2.0
+}
+
+/// One result of the sweep (a line of `sweep.csv`, an element of
+/// `sweep.json`'s `rows`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// Corpus.
+    pub domain: String,
+    /// Configuration name.
+    pub config: String,
+    /// Effective bits per element, K and V averaged.
+    pub effective_bits: f64,
+    /// 16 / effective bits.
+    pub compression_vs_f16: f64,
+    /// Perplexity over all predictions.
+    pub ppl: f64,
+    /// `ppl` minus the baseline's.
+    pub delta_ppl: f64,
+    /// Perplexity over the second half of each window.
+    pub ppl_second_half: f64,
+    /// `ppl_second_half` minus the baseline's.
+    pub delta_ppl_second_half: f64,
+    /// Mean attention KL on the first window (nats per position and head).
+    pub attention_kl: f64,
+    /// Wall time of this configuration's perplexity run.
+    pub seconds: f64,
+}
+
+/// The columns of `sweep.csv`, in order.
+pub const CSV_COLUMNS: [&str; 10] = [
+    "domain",
+    "config",
+    "effective_bits",
+    "compression_vs_f16",
+    "ppl",
+    "delta_ppl",
+    "ppl_second_half",
+    "delta_ppl_second_half",
+    "attention_kl",
+    "seconds",
+];
+
+/// `sweep.json`: the settings and the rows.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Model file name.
+    pub model: String,
+    /// Tokens per domain.
+    pub tokens: usize,
+    /// Tokens per window.
+    pub window: usize,
+    /// `Prefill` or `Decode`.
+    pub path: String,
+    /// Full-precision recent tokens.
+    pub residual: usize,
+    /// Full-precision first tokens.
+    pub sinks: usize,
+    /// The results.
+    pub rows: Vec<Row>,
+}
+
+/// Run the sweep: print the table and write `sweep.{csv,json,svg}`.
+pub fn run(args: Args) -> Result<(), BoxError> {
+    crate::assets::ensure(!args.no_fetch)?;
+    let opts = args.ppl_options();
+    let t0 = Instant::now();
+    let (tok, model) = super::load(&crate::assets::path(crate::assets::MODEL))?;
+    let cfg = model.cfg.clone();
+    let (n_layers, n_kv, hd, n_q) = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.n_heads);
+    let mut configs = grid(args.full, args.residual, args.sinks);
+    if let Some(only) = &args.only {
+        // Keep the baseline: Δppl needs it.
+        configs.retain(|c| c.is_baseline() || only.split(',').any(|o| c.name.contains(o)));
+    }
+    eprintln!(
+        "SmolLM2-135M: {n_layers} layers, {n_q}/{n_kv} heads, head_dim {hd}; loaded in {:.1}s; \
+         {} configs x {} domains x {} tokens ({:?} path, residual {}, sinks {})",
+        t0.elapsed().as_secs_f64(),
+        configs.len(),
+        args.domains.len(),
+        opts.n_tokens,
+        opts.path,
+        args.residual,
+        args.sinks
+    );
+    let windows = opts.n_tokens / opts.window.max(1);
+    let progress = report::progress(
+        (windows * configs.len() * args.domains.len()) as u64,
+        "windows",
+    );
+    let mut rows = Vec::new();
+    for domain in &args.domains {
+        let text = std::fs::read_to_string(crate::assets::corpus(domain))?;
+        let tokens = super::prefix_tokens(&tok, &text, opts.n_tokens)?;
+        // Full-precision Q/K/V of the first window, for the attention KL.
+        let first = tokens
+            .get(..opts.window)
+            .ok_or_else(|| format!("{domain}: fewer than {} tokens", opts.window))?;
+        let mut rec = Recorder::new(n_layers, n_q, n_kv, hd, first);
+        {
+            let mut store = KvqStore::new(n_layers, n_kv, hd, CacheSpec::FULL)?;
+            let mut hooks = Hooks {
+                observer: Some(&mut rec),
+                ..Hooks::default()
+            };
+            window_nll(&model, first, &mut store, &mut hooks, EvalPath::Prefill)?;
+        }
+        let cap = rec.capture;
+        let mut base: Option<(f64, f64)> = None;
+        for c in &configs {
+            let mut store = KvqStore::new(n_layers, n_kv, hd, c.spec)?;
+            let t = Instant::now();
+            progress.set_message(format!("{domain}: {}", c.name));
+            let r = perplexity(
+                &model,
+                &tokens,
+                &mut store,
+                &mut Hooks::default(),
+                &opts,
+                |_, _| progress.inc(1),
+            )?;
+            let (ppl, ppl2) = (r.all.ppl(), r.second_half.ppl());
+            let (b, b2) = *base.get_or_insert((ppl, ppl2));
+            let eb = effective_bits(&c.spec, n_kv, hd);
+            rows.push(Row {
+                domain: domain.clone(),
+                config: c.name.clone(),
+                effective_bits: eb,
+                compression_vs_f16: 16.0 / eb,
+                ppl,
+                delta_ppl: ppl - b,
+                ppl_second_half: ppl2,
+                delta_ppl_second_half: ppl2 - b2,
+                attention_kl: attention_kl(&cap, &c.spec, n_q, n_kv, hd)?,
+                seconds: t.elapsed().as_secs_f64(),
+            });
+        }
+    }
+    progress.finish();
+    println!(
+        "\nSmolLM2-135M-Instruct, {} tokens per domain in windows of {} ({:?}), residual {}, sinks {}",
+        opts.n_tokens, opts.window, opts.path, args.residual, args.sinks
+    );
+    print!("{}", table(&rows));
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::repo_root().join("results"));
+    std::fs::create_dir_all(&out)?;
+    let report = Report {
+        model: crate::assets::MODEL.into(),
+        tokens: opts.n_tokens,
+        window: opts.window,
+        path: format!("{:?}", opts.path),
+        residual: args.residual,
+        sinks: args.sinks,
+        rows,
+    };
+    std::fs::write(
+        out.join("sweep.csv"),
+        report::csv(&CSV_COLUMNS, &report.rows)?,
+    )?;
+    std::fs::write(out.join("sweep.json"), report::json(&report)?)?;
+    std::fs::write(out.join("sweep.svg"), svg(&report.rows)?)?;
+    println!(
+        "\nwrote {}/sweep.{{csv,json,svg}} in {:.0}s",
+        out.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The printed table, columns as wide as their longest cell.
+pub fn table(rows: &[Row]) -> Table {
+    use Align::{Left, Right};
+    let mut t = Table::new(&[
+        ("domain", Left),
+        ("config", Left),
+        ("eff.bits", Right),
+        ("x f16", Right),
+        ("ppl", Right),
+        ("Δppl", Right),
+        ("ppl 2nd½", Right),
+        ("Δ 2nd½", Right),
+        ("attn KL", Right),
+    ]);
+    for r in rows {
+        t.row([
+            r.domain.clone(),
+            r.config.clone(),
+            format!("{:.3}", r.effective_bits),
+            format!("{:.2}", r.compression_vs_f16),
+            format!("{:.4}", r.ppl),
+            format!("{:+.4}", r.delta_ppl),
+            format!("{:.4}", r.ppl_second_half),
+            format!("{:+.4}", r.delta_ppl_second_half),
+            format!("{:.2e}", r.attention_kl),
+        ]);
+    }
+    t
+}
+
+/// `sweep.svg`: Δppl against effective bits of the quantized rows (the
+/// baseline's 16 bits left out), one colour per domain.
+pub fn svg(rows: &[Row]) -> Result<String, String> {
+    let points: Vec<PlotPoint> = rows
+        .iter()
+        .filter(|r| r.effective_bits < 15.0)
+        .map(|r| PlotPoint {
+            domain: r.domain.clone(),
+            label: r.config.clone(),
+            bits: r.effective_bits,
+            delta: r.delta_ppl,
+        })
+        .collect();
+    report::sweep_svg("SmolLM2-135M: Δppl vs effective bits (kvq cache)", &points)
+}
+
+/// Mean attention KL (nats per query position and head, over all layers)
+/// between exact attention and attention over K/V quantized with `spec`
+/// (every token quantized: no residual window), on the captured first
+/// window with a causal mask.
+pub fn attention_kl(
+    cap: &Capture,
+    spec: &CacheSpec,
+    n_q: usize,
+    n_kv: usize,
+    hd: usize,
+) -> Result<f64, BoxError> {
+    use kvq::metrics::{layer_errors, AttnShape, MetricsConfig};
+    use kvq::{KvQuantizer, UniformQuantizer};
+    if spec.keys.is_none() && spec.values.is_none() {
+        return Ok(0.0);
+    }
+    let shape = AttnShape::new(n_q, n_kv, hd)?;
+    let cfg = MetricsConfig::new().with_causal(0);
+    let hat = |x: &[f32], s: Option<QuantScheme>| -> Result<Vec<f32>, kvq::Error> {
+        match s {
+            None => Ok(x.to_vec()),
+            Some(s) => UniformQuantizer::new(s, n_kv, hd)?.roundtrip(x, x.len() / (n_kv * hd)),
+        }
+    };
+    let mut total = 0.0;
+    for l in &cap.layers {
+        let (kh, vh) = (hat(&l.k, spec.keys)?, hat(&l.v, spec.values)?);
+        total += layer_errors(shape, l.q.as_slice(), &l.k, &l.v, &kh, &vh, &cfg)?
+            .summary
+            .mean
+            .kl;
+    }
+    Ok(total / cap.layers.len() as f64)
+}
