@@ -5,6 +5,7 @@
 use crate::error::{Error, Result};
 use crate::pack;
 use crate::scheme::{Axis, Group, Layout, Mode, QuantScheme, ScaleFormat};
+use ndarray::Array3;
 
 /// A quantized block `[tokens, n_kv_heads, head_dim]`, stored head-major.
 ///
@@ -137,6 +138,19 @@ impl PackedBlock {
             }
         }
         Ok(())
+    }
+
+    /// Dequantize into a new array `[tokens, n_kv_heads, head_dim]` (the
+    /// numbers [`dequantize_into`](Self::dequantize_into) writes).
+    pub fn dequantize_array(&self) -> Array3<f32> {
+        let l = &self.layout;
+        let mut out = Array3::zeros((self.tokens, l.n_kv_heads(), l.head_dim()));
+        let flat = out
+            .as_slice_mut()
+            .expect("a new array is in standard layout");
+        self.dequantize_into(flat)
+            .expect("the array has the block's shape");
+        out
     }
 
     /// Store token `t` from one token's head-major code rows and params.
