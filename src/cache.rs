@@ -23,10 +23,12 @@
 //!
 //! # Appends are all-or-nothing
 //!
-//! [`LayerCache::append`] and [`LayerCache::extend`] check everything first —
-//! lengths, finiteness (NaN/inf is rejected, naming token, head and channel),
-//! and that every scale the tokens will need fits the scale format — and only
-//! then change the cache. A rejected call leaves it byte-for-byte as it was.
+//! [`LayerCache::append`] and [`LayerCache::extend`] (and its ndarray forms
+//! [`LayerCache::extend_view2`] and [`LayerCache::extend_view3`]) check
+//! everything first — lengths or shapes, finiteness (NaN/inf is rejected,
+//! naming token, head and channel), and that every scale the tokens will
+//! need fits the scale format — and only then change the cache. A rejected
+//! call leaves it byte-for-byte as it was.
 //!
 //! # Example: a KIVI-4 cache, streamed and attended
 //! ```
@@ -63,6 +65,8 @@ use crate::quant::{
 };
 use crate::scheme::{check_shape, Axis, Layout, QuantScheme};
 use crate::store::PackedHead;
+use crate::views::{check_tail, check_tokens, contiguous};
+use ndarray::{Array3, ArrayView2, ArrayView3};
 
 /// Configuration of one layer's cache. Checked by [`LayerCache::new`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -768,6 +772,104 @@ impl LayerCache {
         self.extend_op("extend", k, v)
     }
 
+    /// [`extend`](Self::extend) from ndarray views `[tokens,
+    /// n_kv_heads·head_dim]`: one row per token, the layout of `extend`'s
+    /// slices.
+    ///
+    /// Any strides work. A view in standard layout (row-major and
+    /// contiguous, [`ArrayView2::is_standard_layout`]) is read in place with
+    /// no copy; any other (transposed, sliced with a step, reversed) is
+    /// first copied into one contiguous buffer per tensor of
+    /// `tokens·n_kv_heads·head_dim` elements. Either way the cache ends up
+    /// byte-for-byte as after `extend` of the same numbers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when a view's second dimension is not
+    /// `n_kv_heads·head_dim` or `k` and `v` hold different numbers of
+    /// tokens; otherwise as [`extend`](Self::extend). The cache is
+    /// unchanged on error.
+    ///
+    /// # Example
+    /// ```
+    /// use kvq::{presets, CacheConfig, Error, LayerCache};
+    /// use ndarray::{s, Array2};
+    /// let (n_kv, hd, tokens) = (2, 64, 40);
+    /// let (keys, values) = presets::kivi(4)?;
+    /// let mut cache = LayerCache::new(CacheConfig::new(n_kv, hd).keys(keys).values(values))?;
+    /// let k = Array2::from_shape_fn((tokens, n_kv * hd), |(t, c)| ((t * 7 + c) % 13) as f32 / 13.0);
+    /// let v = Array2::from_shape_fn((tokens, n_kv * hd), |(t, c)| ((t + 3 * c) % 11) as f32 / 11.0);
+    /// cache.extend_view2(k.view(), v.view())?; // contiguous: read in place
+    ///
+    /// // Every other token: a strided view, copied first.
+    /// cache.extend_view2(k.slice(s![..;2, ..]), v.slice(s![..;2, ..]))?;
+    /// assert_eq!(cache.len(), tokens + tokens / 2);
+    ///
+    /// // A wrong width is an error, and nothing is appended.
+    /// let e = cache.extend_view2(k.slice(s![.., ..100]), v.slice(s![.., ..100]));
+    /// assert!(matches!(e, Err(Error::InvalidShape { .. })));
+    /// assert_eq!(cache.len(), tokens + tokens / 2);
+    /// # Ok::<(), kvq::Error>(())
+    /// ```
+    pub fn extend_view2<T: Element>(
+        &mut self,
+        k: ArrayView2<'_, T>,
+        v: ArrayView2<'_, T>,
+    ) -> Result<()> {
+        let op = "extend_view2";
+        let w = [self.cfg.n_kv_heads * self.cfg.head_dim];
+        let names = "[tokens, n_kv_heads·head_dim]";
+        check_tail(op, "keys have", k.shape(), &w, names)?;
+        check_tail(op, "values have", v.shape(), &w, names)?;
+        check_tokens(op, k.shape(), v.shape())?;
+        let (mut bk, mut bv) = (Vec::new(), Vec::new());
+        self.extend_op(op, contiguous(&k, &mut bk), contiguous(&v, &mut bv))
+    }
+
+    /// [`extend`](Self::extend) from ndarray views `[tokens, n_kv_heads,
+    /// head_dim]`, the shape of a K or V projection split into heads.
+    ///
+    /// Strides as in [`extend_view2`](Self::extend_view2): a view in
+    /// standard layout is read in place, any other is copied into one
+    /// contiguous buffer per tensor first; the cache ends up byte-for-byte
+    /// as after `extend` of the same numbers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when a view's last two dimensions are not
+    /// `[n_kv_heads, head_dim]` or `k` and `v` hold different numbers of
+    /// tokens; otherwise as [`extend`](Self::extend). The cache is
+    /// unchanged on error.
+    ///
+    /// # Example
+    /// ```
+    /// use kvq::{presets, CacheConfig, LayerCache};
+    /// use ndarray::Array3;
+    /// let (n_kv, hd, tokens) = (2, 64, 40);
+    /// let (keys, values) = presets::kivi(4)?;
+    /// let mut cache = LayerCache::new(CacheConfig::new(n_kv, hd).keys(keys).values(values))?;
+    /// // Head-major `[n_kv_heads, tokens, head_dim]`, as many engines hold K and V.
+    /// let k = Array3::from_shape_fn((n_kv, tokens, hd), |(h, t, c)| ((h + t * 7 + c) % 13) as f32 / 13.0);
+    /// let v = Array3::from_shape_fn((n_kv, tokens, hd), |(h, t, c)| ((h + t + 3 * c) % 11) as f32 / 11.0);
+    /// // Permuted to `[tokens, n_kv_heads, head_dim]` (not contiguous, so copied).
+    /// cache.extend_view3(k.view().permuted_axes([1, 0, 2]), v.view().permuted_axes([1, 0, 2]))?;
+    /// assert_eq!(cache.len(), tokens);
+    /// assert_eq!(cache.keys_array().dim(), (tokens, n_kv, hd));
+    /// # Ok::<(), kvq::Error>(())
+    /// ```
+    pub fn extend_view3<T: Element>(
+        &mut self,
+        k: ArrayView3<'_, T>,
+        v: ArrayView3<'_, T>,
+    ) -> Result<()> {
+        let op = "extend_view3";
+        let tail = [self.cfg.n_kv_heads, self.cfg.head_dim];
+        let names = "[tokens, n_kv_heads, head_dim]";
+        check_tail(op, "keys have", k.shape(), &tail, names)?;
+        check_tail(op, "values have", v.shape(), &tail, names)?;
+        check_tokens(op, k.shape(), v.shape())?;
+        let (mut bk, mut bv) = (Vec::new(), Vec::new());
+        self.extend_op(op, contiguous(&k, &mut bk), contiguous(&v, &mut bv))
+    }
+
     fn extend_op<T: Element>(&mut self, op: &'static str, k: &[T], v: &[T]) -> Result<()> {
         let w = self.cfg.n_kv_heads * self.cfg.head_dim;
         if !k.len().is_multiple_of(w) || (op == "append" && k.len() != w) {
@@ -909,13 +1011,32 @@ impl LayerCache {
     }
 
     /// The keys as attention sees them, `[len, n_kv_heads·head_dim]`
-    /// (dequantized; allocates — for tests and metrics, not the hot path).
+    /// row-major: token `t`, head `h`, channel `c` at
+    /// `(t·n_kv_heads + h)·head_dim + c`, sinks, packed and full-precision
+    /// tokens in position order (dequantized; allocates — for tests and
+    /// metrics, not the hot path).
     pub fn keys_f32(&self) -> Vec<f32> {
         self.k.to_f32()
     }
-    /// The values as attention sees them (see [`keys_f32`](Self::keys_f32)).
+    /// The values as attention sees them, laid out as
+    /// [`keys_f32`](Self::keys_f32).
     pub fn values_f32(&self) -> Vec<f32> {
         self.v.to_f32()
+    }
+    /// [`keys_f32`](Self::keys_f32) as an array `[len, n_kv_heads,
+    /// head_dim]` (the same numbers in the same order; allocates).
+    pub fn keys_array(&self) -> Array3<f32> {
+        self.as_array(self.k.to_f32())
+    }
+    /// [`values_f32`](Self::values_f32) as an array `[len, n_kv_heads,
+    /// head_dim]` (the same numbers in the same order; allocates).
+    pub fn values_array(&self) -> Array3<f32> {
+        self.as_array(self.v.to_f32())
+    }
+
+    fn as_array(&self, x: Vec<f32>) -> Array3<f32> {
+        let shape = (self.len, self.cfg.n_kv_heads, self.cfg.head_dim);
+        Array3::from_shape_vec(shape, x).expect("a tensor holds len·n_kv_heads·head_dim values")
     }
 
     fn scale(&self) -> f32 {

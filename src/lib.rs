@@ -7,11 +7,13 @@
 //! * [`QuantScheme`] — bits, [`Axis`], [`Group`], [`Mode`], [`ScaleFormat`];
 //!   bound to a shape it is a [`Layout`] with exact byte accounting.
 //! * [`KvQuantizer`] / [`UniformQuantizer`] — quantize `[tokens, n_kv_heads,
-//!   head_dim]` blocks of `f32`, `f16` or `bf16` into a [`PackedBlock`].
+//!   head_dim]` blocks of `f32`, `f16` or `bf16`, as slices or `ndarray`
+//!   views, into a [`PackedBlock`].
 //! * [`kernels`] — `scores` (`q·Kᵀ`) and `weighted_sum` (`p·V`) straight from
 //!   packed codes, with a scalar oracle and SIMD backends ([`Backend`]).
-//! * [`LayerCache`] / [`KvCache`] — the streaming cache: append, residual
-//!   window, attention sinks, GQA, fused decode and causal-block attention.
+//! * [`LayerCache`] / [`KvCache`] — the streaming cache: append (slices or
+//!   `ndarray` views), residual window, attention sinks, GQA, fused decode
+//!   and causal-block attention.
 //! * [`metrics`] — error where the cache is used (logits, attention KL,
 //!   attention output), not only reconstruction error.
 //! * [`plan`] — the memory model of a model's cache and a K/V bit-budget
@@ -95,6 +97,7 @@ pub mod quant;
 pub mod scheme;
 mod simd;
 pub mod store;
+mod views;
 
 pub use cache::{CacheBytes, CacheConfig, KvCache, LayerCache};
 pub use element::Element;

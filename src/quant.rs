@@ -45,6 +45,8 @@ use crate::scheme::{Axis, Layout, Mode, QuantScheme, ScaleFormat};
 use crate::simd::Backend;
 use crate::simd::Kernel;
 use crate::store::PackedBlock;
+use crate::views::{check_tail, contiguous};
+use ndarray::{Array3, ArrayView3};
 
 /// A quantizer of K or V blocks `[tokens, n_kv_heads, head_dim]`.
 ///
@@ -90,7 +92,61 @@ pub trait KvQuantizer {
         self.dequantize(&p, &mut out)?;
         Ok(out)
     }
+
+    /// [`quantize`](Self::quantize) of an ndarray view `[tokens,
+    /// n_kv_heads, head_dim]`; `tokens` is the view's first dimension.
+    ///
+    /// Any strides work. A view in standard layout (row-major and
+    /// contiguous) is read in place with no copy; any other (transposed,
+    /// sliced with a step, permuted) is first copied into one contiguous
+    /// buffer of `tokens·n_kv_heads·head_dim` elements. The packed bytes are
+    /// those of `quantize` of the same numbers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when the last two dimensions are not
+    /// `[n_kv_heads, head_dim]`; otherwise as [`quantize`](Self::quantize).
+    ///
+    /// # Example
+    /// ```
+    /// use kvq::{presets, KvQuantizer, UniformQuantizer};
+    /// use ndarray::Array3;
+    /// let (keys, _) = presets::kivi(4)?;
+    /// let q = UniformQuantizer::new(keys, 2, 64)?;
+    /// let k = Array3::from_shape_fn((32, 2, 64), |(t, h, c)| ((t * 7 + h + c) % 13) as f32 / 13.0);
+    /// let packed = q.quantize_view(k.view())?;
+    /// assert_eq!(packed, q.quantize(k.as_slice().unwrap(), 32)?);
+    /// let back = packed.dequantize_array(); // [32, 2, 64]
+    /// assert_eq!(back, q.roundtrip_view(k.view())?);
+    /// assert!(back.iter().zip(&k).all(|(a, b)| (a - b).abs() <= 0.5 / 15.0 + 1e-6));
+    /// # Ok::<(), kvq::Error>(())
+    /// ```
+    fn quantize_view<T: Element>(&self, x: ArrayView3<'_, T>) -> Result<Self::Packed> {
+        let op = "quantize_view";
+        let tail = [self.n_kv_heads(), self.head_dim()];
+        check_tail(op, "the input has", x.shape(), &tail, VIEW3)?;
+        let mut buf = Vec::new();
+        self.quantize(contiguous(&x, &mut buf), x.dim().0)
+    }
+
+    /// [`roundtrip`](Self::roundtrip) of an ndarray view `[tokens,
+    /// n_kv_heads, head_dim]` (strides as in
+    /// [`quantize_view`](Self::quantize_view)), returned as an array of the
+    /// same shape.
+    ///
+    /// # Errors
+    /// As [`quantize_view`](Self::quantize_view).
+    fn roundtrip_view<T: Element>(&self, x: ArrayView3<'_, T>) -> Result<Array3<f32>> {
+        let op = "roundtrip_view";
+        let tail = [self.n_kv_heads(), self.head_dim()];
+        check_tail(op, "the input has", x.shape(), &tail, VIEW3)?;
+        let mut buf = Vec::new();
+        let out = self.roundtrip(contiguous(&x, &mut buf), x.dim().0)?;
+        Ok(Array3::from_shape_vec(x.raw_dim(), out).expect("roundtrip keeps the shape"))
+    }
 }
+
+/// The dimensions of a K or V block, as error messages name them.
+const VIEW3: &str = "[tokens, n_kv_heads, head_dim]";
 
 /// The uniform integer quantizer of a [`QuantScheme`] (any bits, axis,
 /// group, mode and scale format).

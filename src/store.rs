@@ -5,6 +5,7 @@
 use crate::error::{Error, Result};
 use crate::pack;
 use crate::scheme::{Axis, Group, Layout, Mode, QuantScheme, ScaleFormat};
+use ndarray::Array3;
 
 /// A quantized block `[tokens, n_kv_heads, head_dim]`, stored head-major.
 ///
@@ -139,6 +140,19 @@ impl PackedBlock {
         Ok(())
     }
 
+    /// Dequantize into a new array `[tokens, n_kv_heads, head_dim]` (the
+    /// numbers [`dequantize_into`](Self::dequantize_into) writes).
+    pub fn dequantize_array(&self) -> Array3<f32> {
+        let l = &self.layout;
+        let mut out = Array3::zeros((self.tokens, l.n_kv_heads(), l.head_dim()));
+        let flat = out
+            .as_slice_mut()
+            .expect("a new array is in standard layout");
+        self.dequantize_into(flat)
+            .expect("the array has the block's shape");
+        out
+    }
+
     /// Store token `t` from one token's head-major code rows and params.
     pub(crate) fn put_token(&mut self, t: usize, codes: &[u8], params: &[u8]) {
         let l = self.layout;
@@ -184,7 +198,7 @@ impl PackedBlock {
     /// `docs/FORMAT.md`, "Serialized block").
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER_LEN + self.bytes());
-        out.extend_from_slice(&header(&self.layout, self.tokens));
+        out.extend_from_slice(bytemuck::bytes_of(&Header::new(&self.layout, self.tokens)));
         out.extend_from_slice(&self.codes);
         out.extend_from_slice(&self.params);
         out
@@ -199,39 +213,40 @@ impl PackedBlock {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let op = "PackedBlock::from_bytes";
         let bad = |what: String| Error::Malformed { op, what };
-        if bytes.len() < HEADER_LEN {
-            return Err(bad(format!(
-                "{} bytes is shorter than the 32-byte header",
-                bytes.len()
-            )));
-        }
-        if &bytes[..4] != MAGIC {
+        // The header's 32 bytes, copied out (`bytes` has no alignment).
+        let head = bytes.get(..HEADER_LEN).unwrap_or(bytes);
+        let h: Header =
+            bytemuck::try_pod_read_unaligned(head).map_err(|_: bytemuck::PodCastError| {
+                bad(format!(
+                    "{} bytes is shorter than the 32-byte header",
+                    bytes.len()
+                ))
+            })?;
+        if h.magic != *MAGIC {
             return Err(bad("magic is not \"KVQB\"".into()));
         }
-        if bytes[4] != VERSION {
-            return Err(bad(format!("unsupported version {}", bytes[4])));
+        if h.version != VERSION {
+            return Err(bad(format!("unsupported version {}", h.version)));
         }
-        let u32_at = |i: usize| {
-            u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]) as usize
-        };
-        let bits = bytes[5];
-        let axis = match bytes[6] {
+        let u32_le = |x: u32| u32::from_le(x) as usize;
+        let bits = h.bits;
+        let axis = match h.axis {
             0 => Axis::PerToken,
             1 => Axis::PerChannel,
             x => return Err(bad(format!("axis byte {x}"))),
         };
-        let group = match bytes[7] {
-            0 => Group::Size(u32_at(12)),
+        let group = match h.group_kind {
+            0 => Group::Size(u32_le(h.group_size)),
             1 => Group::Head,
             2 => Group::Vector,
             x => return Err(bad(format!("group byte {x}"))),
         };
-        let mode = match bytes[8] {
+        let mode = match h.mode {
             0 => Mode::Asymmetric,
             1 => Mode::Symmetric,
             x => return Err(bad(format!("mode byte {x}"))),
         };
-        let fmt = match bytes[9] {
+        let fmt = match h.scale_format {
             0 => ScaleFormat::F16,
             1 => ScaleFormat::Bf16,
             2 => ScaleFormat::F32,
@@ -241,7 +256,7 @@ impl PackedBlock {
             .and_then(|s| s.with_mode(mode))
             .map_err(|e| bad(e.to_string()))?
             .with_scale_format(fmt);
-        let (nh, hd, tokens) = (u32_at(16), u32_at(20), u32_at(24));
+        let (nh, hd, tokens) = (u32_le(h.n_kv_heads), u32_le(h.head_dim), u32_le(h.tokens));
         let layout = scheme.layout(nh, hd).map_err(|e| bad(e.to_string()))?;
         let need = layout
             .checked_bytes(tokens)
@@ -272,36 +287,85 @@ const MAGIC: &[u8; 4] = b"KVQB";
 const VERSION: u8 = 1;
 const HEADER_LEN: usize = 32;
 
-fn header(l: &Layout, tokens: usize) -> [u8; HEADER_LEN] {
-    let s = l.scheme();
-    let mut h = [0u8; HEADER_LEN];
-    h[..4].copy_from_slice(MAGIC);
-    h[4] = VERSION;
-    h[5] = s.bits();
-    h[6] = match s.axis() {
-        Axis::PerToken => 0,
-        Axis::PerChannel => 1,
-    };
-    let (g, n) = match s.group() {
-        Group::Size(n) => (0, n),
-        Group::Head => (1, 0),
-        Group::Vector => (2, 0),
-    };
-    h[7] = g;
-    h[8] = match s.mode() {
-        Mode::Asymmetric => 0,
-        Mode::Symmetric => 1,
-    };
-    h[9] = match s.scale_format() {
-        ScaleFormat::F16 => 0,
-        ScaleFormat::Bf16 => 1,
-        ScaleFormat::F32 => 2,
-    };
-    h[12..16].copy_from_slice(&(n as u32).to_le_bytes());
-    h[16..20].copy_from_slice(&(l.n_kv_heads() as u32).to_le_bytes());
-    h[20..24].copy_from_slice(&(l.head_dim() as u32).to_le_bytes());
-    h[24..28].copy_from_slice(&(tokens as u32).to_le_bytes());
-    h
+/// The header of a serialized block, field for field as it lies in the
+/// bytes (`docs/FORMAT.md`, section 5). The `u32` fields hold their values
+/// little-endian (`u32::to_le` on write, `u32::from_le` on read), so the
+/// bytes are the same on every host. Every field is naturally aligned and
+/// there is no padding (`Pod` checks that), but the input of
+/// [`PackedBlock::from_bytes`] has no alignment, so the header is copied
+/// out of it (`try_pod_read_unaligned`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+struct Header {
+    magic: [u8; 4],
+    version: u8,
+    bits: u8,
+    /// `0` per-token, `1` per-channel.
+    axis: u8,
+    /// `0` `Size`, `1` `Head`, `2` `Vector`.
+    group_kind: u8,
+    /// `0` asymmetric, `1` symmetric.
+    mode: u8,
+    /// `0` f16, `1` bf16, `2` f32.
+    scale_format: u8,
+    reserved0: [u8; 2],
+    /// `G` for `Group::Size(G)`, else zero.
+    group_size: u32,
+    n_kv_heads: u32,
+    head_dim: u32,
+    tokens: u32,
+    reserved1: u32,
+}
+
+// The table of docs/FORMAT.md, section 5.
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<Header>() == HEADER_LEN);
+    assert!(offset_of!(Header, version) == 4);
+    assert!(offset_of!(Header, scale_format) == 9);
+    assert!(offset_of!(Header, reserved0) == 10);
+    assert!(offset_of!(Header, group_size) == 12);
+    assert!(offset_of!(Header, n_kv_heads) == 16);
+    assert!(offset_of!(Header, head_dim) == 20);
+    assert!(offset_of!(Header, tokens) == 24);
+    assert!(offset_of!(Header, reserved1) == 28);
+};
+
+impl Header {
+    fn new(l: &Layout, tokens: usize) -> Self {
+        let s = l.scheme();
+        let (group_kind, group_size) = match s.group() {
+            Group::Size(n) => (0, n),
+            Group::Head => (1, 0),
+            Group::Vector => (2, 0),
+        };
+        let le = |x: usize| (x as u32).to_le();
+        Header {
+            magic: *MAGIC,
+            version: VERSION,
+            bits: s.bits(),
+            axis: match s.axis() {
+                Axis::PerToken => 0,
+                Axis::PerChannel => 1,
+            },
+            group_kind,
+            mode: match s.mode() {
+                Mode::Asymmetric => 0,
+                Mode::Symmetric => 1,
+            },
+            scale_format: match s.scale_format() {
+                ScaleFormat::F16 => 0,
+                ScaleFormat::Bf16 => 1,
+                ScaleFormat::F32 => 2,
+            },
+            reserved0: [0; 2],
+            group_size: le(group_size),
+            n_kv_heads: le(l.n_kv_heads()),
+            head_dim: le(l.head_dim()),
+            tokens: le(tokens),
+            reserved1: 0,
+        }
+    }
 }
 
 /// `tokens` tokens of `layout` have a size that fits in `usize`.

@@ -84,6 +84,63 @@ fn bytes_header_layout() {
     assert_eq!(&h[4..16], &[1, 8, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0]);
 }
 
+/// Header fields above 255 are little-endian `u32`s at the offsets of
+/// `docs/FORMAT.md`, section 5 (checked against bytes written out by hand),
+/// and `from_bytes` reads a block at any address: the input has no
+/// alignment.
+#[test]
+fn bytes_header_multibyte_fields_and_unaligned_input() {
+    let s = scheme(
+        2,
+        Axis::PerToken,
+        Group::Size(128),
+        Mode::Asymmetric,
+        ScaleFormat::F16,
+    );
+    let (nh, hd, tokens) = (3, 384, 258);
+    let x = gen(Kind::Random, tokens, nh, hd, &mut Rng::new(5));
+    let b = quantize_ok(s, nh, hd, &x, tokens);
+    let bytes = b.to_bytes();
+    #[rustfmt::skip]
+    let want: [u8; 32] = [
+        0x4B, 0x56, 0x51, 0x42, // magic "KVQB"
+        1, 2, 0, 0, 0, 0,       // version, bits, axis, group kind, mode, format
+        0, 0,                   // reserved
+        0x80, 0, 0, 0,          // group size 128
+        3, 0, 0, 0,             // n_kv_heads 3
+        0x80, 0x01, 0, 0,       // head_dim 384 = 0x180
+        0x02, 0x01, 0, 0,       // tokens 258 = 0x102
+        0, 0, 0, 0,             // reserved
+    ];
+    assert_eq!(bytes[..32], want);
+    assert_eq!(bytes.len(), 32 + b.bytes());
+    assert_eq!(bytes[32..], [b.codes(), b.params()].concat());
+    for off in 0..8 {
+        let mut buf = vec![0xA5u8; off];
+        buf.extend_from_slice(&bytes);
+        assert_eq!(
+            PackedBlock::from_bytes(&buf[off..]).unwrap(),
+            b,
+            "offset {off}"
+        );
+    }
+    // Truncated inside the header, and corrupted high bytes of its fields.
+    malformed(PackedBlock::from_bytes(&bytes[..17]), "17 bytes");
+    malformed(PackedBlock::from_bytes(&[]), "0 bytes");
+    let with = |i: usize, v: u8| {
+        let mut x = bytes.clone();
+        x[i] = v;
+        PackedBlock::from_bytes(&x)
+    };
+    malformed(with(25, 2), "header says 514 tokens of 3x384");
+    malformed(with(27, 1), "header says 16777474 tokens");
+    malformed(with(21, 2), "header says 258 tokens of 3x640"); // 128 divides 640
+    malformed(with(21, 0), "of 3x128, body has"); // a group of 128 fits, the sizes do not
+    malformed(with(13, 1), "body has"); // groups of 384: fewer params
+    malformed(with(14, 1), "65664"); // does not divide head_dim
+    malformed(with(18, 1), "header says 258 tokens of 65539x384");
+}
+
 #[test]
 fn bytes_malformed() {
     let s = scheme(
