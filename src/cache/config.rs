@@ -1,0 +1,151 @@
+//! The configuration of a layer's cache and its byte counts.
+
+use super::*;
+
+/// Configuration of one layer's cache. Checked by [`LayerCache::new`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheConfig {
+    pub(super) n_kv_heads: usize,
+    pub(super) head_dim: usize,
+    pub(super) keys: Option<QuantScheme>,
+    pub(super) values: Option<QuantScheme>,
+    pub(super) residual: usize,
+    pub(super) sinks: usize,
+    pub(super) softmax_scale: Option<f32>,
+    pub(super) backend: Option<Backend>,
+    pub(super) threads: usize,
+    pub(super) int8: bool,
+}
+
+impl CacheConfig {
+    /// A full-precision cache of this shape: no schemes, no residual window,
+    /// no sinks, softmax scale `1/√head_dim`, the detected backend, all
+    /// available threads.
+    pub fn new(n_kv_heads: usize, head_dim: usize) -> Self {
+        CacheConfig {
+            n_kv_heads,
+            head_dim,
+            keys: None,
+            values: None,
+            residual: 0,
+            sinks: 0,
+            softmax_scale: None,
+            backend: None,
+            threads: 0,
+            int8: false,
+        }
+    }
+    /// Quantize keys with `scheme`.
+    pub fn keys(mut self, scheme: QuantScheme) -> Self {
+        self.keys = Some(scheme);
+        self
+    }
+    /// Quantize values with `scheme`.
+    pub fn values(mut self, scheme: QuantScheme) -> Self {
+        self.values = Some(scheme);
+        self
+    }
+    /// Keep keys in full precision (`None`) or quantize them.
+    pub fn keys_opt(mut self, scheme: Option<QuantScheme>) -> Self {
+        self.keys = scheme;
+        self
+    }
+    /// Keep values in full precision (`None`) or quantize them.
+    pub fn values_opt(mut self, scheme: Option<QuantScheme>) -> Self {
+        self.values = scheme;
+        self
+    }
+    /// Keep the newest `tokens` in full precision.
+    pub fn residual(mut self, tokens: usize) -> Self {
+        self.residual = tokens;
+        self
+    }
+    /// Keep the first `tokens` (attention sinks) exact forever.
+    pub fn sinks(mut self, tokens: usize) -> Self {
+        self.sinks = tokens;
+        self
+    }
+    /// Multiply logits by `scale` before the softmax (default `1/√head_dim`).
+    pub fn softmax_scale(mut self, scale: f32) -> Self {
+        self.softmax_scale = Some(scale);
+        self
+    }
+    /// Run the kernels on `backend` (default: [`Backend::detect`]).
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+    /// Opt in to the approximate int8 kernels in `attend`: packed keys
+    /// through [`kernels::scores_i8_on`] (int8 query) and packed values
+    /// through [`kernels::weighted_sum_i8_on`] (int8 weights). Faster on
+    /// CPUs with AVX-512 VNNI, with the extra error documented there and
+    /// measured by `cargo run --release --example int8_error`; elsewhere
+    /// the exact kernels. Default off.
+    pub fn int8_kernels(mut self, on: bool) -> Self {
+        self.int8 = on;
+        self
+    }
+    /// Whether `attend` uses the int8 kernels ([`CacheConfig::int8_kernels`]).
+    pub fn uses_int8_kernels(&self) -> bool {
+        self.int8
+    }
+    /// Use at most `n` threads in `attend` (0 = all available, 1 = the
+    /// calling thread only, for engines with their own pools).
+    pub fn threads(mut self, n: usize) -> Self {
+        self.threads = n;
+        self
+    }
+    /// KV heads.
+    pub fn n_kv_heads(&self) -> usize {
+        self.n_kv_heads
+    }
+    /// Channels per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// Key scheme (`None`: full precision).
+    pub fn key_scheme(&self) -> Option<QuantScheme> {
+        self.keys
+    }
+    /// Value scheme (`None`: full precision).
+    pub fn value_scheme(&self) -> Option<QuantScheme> {
+        self.values
+    }
+    /// Residual window length.
+    pub fn residual_len(&self) -> usize {
+        self.residual
+    }
+    /// Number of sink tokens.
+    pub fn sink_len(&self) -> usize {
+        self.sinks
+    }
+}
+
+/// Bytes a cache holds, by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheBytes {
+    /// Packed codes.
+    pub codes: usize,
+    /// Scales and zeros.
+    pub params: usize,
+    /// Full-precision (f32) sinks, residual window and staging tokens.
+    pub full_precision: usize,
+}
+
+impl CacheBytes {
+    /// All of it.
+    pub fn total(&self) -> usize {
+        self.codes + self.params + self.full_precision
+    }
+}
+
+impl std::ops::Add for CacheBytes {
+    type Output = CacheBytes;
+    fn add(self, o: CacheBytes) -> CacheBytes {
+        CacheBytes {
+            codes: self.codes + o.codes,
+            params: self.params + o.params,
+            full_precision: self.full_precision + o.full_precision,
+        }
+    }
+}

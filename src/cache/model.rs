@@ -1,0 +1,83 @@
+//! The caches of all layers of a model.
+
+use super::*;
+
+/// The caches of all layers of a model; each layer may have its own schemes
+/// (per-layer mixed precision).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    pub(super) layers: Vec<LayerCache>,
+}
+
+impl KvCache {
+    /// One [`LayerCache`] per configuration.
+    ///
+    /// # Errors
+    /// As [`LayerCache::new`]; [`Error::InvalidShape`] for no layers.
+    pub fn new(configs: impl IntoIterator<Item = CacheConfig>) -> Result<Self> {
+        let layers = configs
+            .into_iter()
+            .map(LayerCache::new)
+            .collect::<Result<Vec<_>>>()?;
+        if layers.is_empty() {
+            return Err(Error::InvalidShape {
+                op: "KvCache::new",
+                what: "a cache needs at least one layer".into(),
+            });
+        }
+        Ok(KvCache { layers })
+    }
+    /// `n_layers` layers with the same configuration.
+    ///
+    /// # Errors
+    /// As [`KvCache::new`].
+    pub fn uniform(n_layers: usize, cfg: CacheConfig) -> Result<Self> {
+        Self::new(std::iter::repeat_n(cfg, n_layers))
+    }
+    /// Number of layers.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+    /// Layer `i`.
+    ///
+    /// # Panics
+    /// If `i >= n_layers()`.
+    pub fn layer(&self, i: usize) -> &LayerCache {
+        &self.layers[i]
+    }
+    /// Layer `i`, mutable.
+    ///
+    /// # Panics
+    /// If `i >= n_layers()`.
+    pub fn layer_mut(&mut self, i: usize) -> &mut LayerCache {
+        &mut self.layers[i]
+    }
+    /// All layers.
+    pub fn layers(&self) -> &[LayerCache] {
+        &self.layers
+    }
+    /// Bytes held by all layers.
+    pub fn bytes(&self) -> CacheBytes {
+        self.layers
+            .iter()
+            .map(LayerCache::bytes)
+            .fold(CacheBytes::default(), |a, b| a + b)
+    }
+    /// Bits per cached element over all layers (0 when empty).
+    pub fn effective_bits(&self) -> f64 {
+        let elems: usize = self
+            .layers
+            .iter()
+            .map(|l| 2 * l.len() * l.cfg.n_kv_heads * l.cfg.head_dim)
+            .sum();
+        if elems == 0 {
+            0.0
+        } else {
+            8.0 * self.bytes().total() as f64 / elems as f64
+        }
+    }
+    /// Forget all tokens in every layer.
+    pub fn clear(&mut self) {
+        self.layers.iter_mut().for_each(LayerCache::clear);
+    }
+}

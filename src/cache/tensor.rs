@@ -1,0 +1,458 @@
+//! One of K or V of a layer: the sink, packed and residual regions and their appends.
+
+use super::*;
+
+/// One of K or V of a layer.
+#[derive(Debug, Clone)]
+pub(super) struct Tensor {
+    pub(super) layout: Option<Layout>,
+    pub(super) width: usize,
+    pub(super) sinks: usize,
+    pub(super) residual: usize,
+    /// Sink rows, `[≤ sinks, width]`.
+    pub(super) sink: Vec<f32>,
+    /// Full-precision tail rows; live rows start at `tail_start`.
+    pub(super) tail: Vec<f32>,
+    pub(super) tail_start: usize,
+    /// Packed tokens.
+    pub(super) packed: usize,
+    /// Per head codes (and params, or one shared param buffer).
+    pub(super) codes: Vec<Vec<u8>>,
+    pub(super) params: Vec<Vec<u8>>,
+    /// Per-channel: running min/max of the block being filled.
+    pub(super) pend_min: Vec<f32>,
+    pub(super) pend_max: Vec<f32>,
+}
+
+impl PartialEq for Tensor {
+    /// Equal when every stored number agrees (ignoring spare capacity and
+    /// the dead prefix of the tail).
+    fn eq(&self, o: &Self) -> bool {
+        self.layout == o.layout
+            && self.sink == o.sink
+            && self.tail_slice() == o.tail_slice()
+            && self.packed == o.packed
+            && self.codes == o.codes
+            && self.params == o.params
+            && self.pend_min == o.pend_min
+            && self.pend_max == o.pend_max
+    }
+}
+
+impl Tensor {
+    /// Copy the running per-channel ranges into `(min, max)` (reusing
+    /// their allocations).
+    pub(super) fn pending_into(&self, p: &mut (Vec<f32>, Vec<f32>)) {
+        p.0.clear();
+        p.0.extend_from_slice(&self.pend_min);
+        p.1.clear();
+        p.1.extend_from_slice(&self.pend_max);
+    }
+
+    pub(super) fn new(
+        layout: Option<Layout>,
+        n_kv: usize,
+        hd: usize,
+        sinks: usize,
+        residual: usize,
+    ) -> Self {
+        let np = match layout {
+            Some(l) if l.shared_params() => 1,
+            _ => n_kv,
+        };
+        let pc = matches!(layout, Some(l) if l.scheme().axis() == Axis::PerChannel);
+        Tensor {
+            layout,
+            width: n_kv * hd,
+            sinks,
+            residual,
+            sink: Vec::new(),
+            tail: Vec::new(),
+            tail_start: 0,
+            packed: 0,
+            codes: vec![Vec::new(); n_kv],
+            params: vec![Vec::new(); np],
+            pend_min: if pc { vec![0.0; n_kv * hd] } else { Vec::new() },
+            pend_max: if pc { vec![0.0; n_kv * hd] } else { Vec::new() },
+        }
+    }
+
+    pub(super) fn tail_rows(&self) -> usize {
+        (self.tail.len() / self.width) - self.tail_start
+    }
+
+    pub(super) fn tail_slice(&self) -> &[f32] {
+        &self.tail[self.tail_start * self.width..]
+    }
+
+    /// Tokens quantized at a time.
+    pub(super) fn unit(&self) -> usize {
+        self.layout.map_or(usize::MAX, |l| l.block_tokens())
+    }
+
+    /// Check that `rows` (tokens at positions `pos0..`) can be stored, and
+    /// advance the per-channel pending state in `pend` accordingly.
+    /// `abs_max` is the largest `|x|` of `rows` (all finite).
+    pub(super) fn check(
+        &self,
+        what: &'static str,
+        rows: &[f32],
+        abs_max: f32,
+        pos0: usize,
+        pend: &mut (Vec<f32>, Vec<f32>),
+    ) -> Result<()> {
+        let Some(l) = self.layout else { return Ok(()) };
+        let s = l.scheme();
+        let pc = s.axis() == Axis::PerChannel;
+        // Common case: every value is small enough that no scale can
+        // overflow; only the per-channel running range needs updating.
+        if abs_max <= crate::quant::safe_abs(s.scale_format()) {
+            if pc {
+                self.advance_pending(rows, pos0, pend);
+            }
+            return Ok(());
+        }
+        let hd = l.head_dim();
+        let ovf = |w: &'static str, v: f32, t: usize, h: usize, g: usize| Error::ScaleOverflow {
+            op: what,
+            what: w,
+            value: v,
+            format: s.scale_format().name(),
+            token: t,
+            head: h,
+            group: g,
+        };
+        for (i, row) in rows.chunks_exact(self.width).enumerate() {
+            let pos = pos0 + i;
+            if pos < self.sinks {
+                continue;
+            }
+            match s.axis() {
+                Axis::PerToken => {
+                    let gl = l.channels_per_group();
+                    for (j, g) in row.chunks_exact(gl.min(self.width)).enumerate() {
+                        let (mn, mx) = crate::quant::min_max(g);
+                        group_params(s, mn, mx).map_err(|(w, v)| {
+                            let gph = (hd / gl).max(1);
+                            ovf(w, v, i, j / gph, j % gph)
+                        })?;
+                    }
+                }
+                Axis::PerChannel => {
+                    let first = (pos - self.sinks).is_multiple_of(l.group_len());
+                    let (mn, mx) = pend;
+                    for c in 0..self.width {
+                        if first {
+                            mn[c] = row[c];
+                            mx[c] = row[c];
+                        } else {
+                            mn[c] = mn[c].min(row[c]);
+                            mx[c] = mx[c].max(row[c]);
+                        }
+                        group_params(s, mn[c], mx[c])
+                            .map_err(|(w, v)| ovf(w, v, i, c / hd, c % hd))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Per-channel: fold `rows` into the running min/max of their blocks.
+    pub(super) fn advance_pending(
+        &self,
+        rows: &[f32],
+        pos0: usize,
+        pend: &mut (Vec<f32>, Vec<f32>),
+    ) {
+        let g = self.layout.map_or(1, |l| l.group_len());
+        let (mn, mx) = pend;
+        // Only the rows from the last block start on decide the state.
+        let n = rows.len() / self.width;
+        let last_start = (0..n)
+            .rev()
+            .find(|&i| pos0 + i >= self.sinks && (pos0 + i - self.sinks).is_multiple_of(g))
+            .unwrap_or(0);
+        for (i, row) in rows.chunks_exact(self.width).enumerate().skip(last_start) {
+            let pos = pos0 + i;
+            if pos < self.sinks {
+                continue;
+            }
+            if (pos - self.sinks).is_multiple_of(g) {
+                mn.copy_from_slice(row);
+                mx.copy_from_slice(row);
+            } else {
+                for ((lo, hi), &v) in mn.iter_mut().zip(mx.iter_mut()).zip(row) {
+                    *lo = if v < *lo { v } else { *lo };
+                    *hi = if v > *hi { v } else { *hi };
+                }
+            }
+        }
+    }
+
+    /// Store checked rows at positions `pos0..`: sink positions first,
+    /// then the tail; every unit of rows that leaves the residual window is
+    /// quantized, straight from `rows` when none of its rows is in the tail
+    /// yet (so prefill copies only the rows that stay full precision). The
+    /// same bytes as storing the rows one at a time: units are always the
+    /// oldest `unit` unquantized rows.
+    pub(super) fn push_rows(
+        &mut self,
+        rows: &[f32],
+        pos0: usize,
+        backend: Backend,
+        scratch: &mut Scratch,
+    ) {
+        let w = self.width;
+        let n_sink = self.sinks.saturating_sub(pos0).min(rows.len() / w);
+        self.sink.extend_from_slice(&rows[..n_sink * w]);
+        let rows = &rows[n_sink * w..];
+        let m = rows.len() / w;
+        let unit = self.unit();
+        if m == 0 || unit == usize::MAX {
+            self.tail.extend_from_slice(rows);
+            return;
+        }
+        let live = self.tail_rows();
+        let total = live + m;
+        let units = if total >= self.residual + unit {
+            (total - self.residual) / unit
+        } else {
+            0
+        };
+        // Units that start in the tail are completed and quantized there.
+        let mixed = units.min(live.div_ceil(unit));
+        let need = (mixed * unit).saturating_sub(live);
+        self.tail.extend_from_slice(&rows[..need * w]);
+        for _ in 0..mixed {
+            self.flush(unit, backend, scratch);
+        }
+        let mut i = need;
+        for _ in mixed..units {
+            self.store_unit(&rows[i * w..(i + unit) * w], unit, backend, scratch);
+            i += unit;
+        }
+        self.tail.extend_from_slice(&rows[i * w..]);
+    }
+
+    /// Quantize the oldest `unit` tail rows.
+    pub(super) fn flush(&mut self, unit: usize, backend: Backend, scratch: &mut Scratch) {
+        let w = self.width;
+        let tail = std::mem::take(&mut self.tail);
+        self.store_unit(
+            &tail[self.tail_start * w..(self.tail_start + unit) * w],
+            unit,
+            backend,
+            scratch,
+        );
+        self.tail = tail;
+        self.tail_start += unit;
+    }
+
+    /// Drop the tail's dead prefix once it outweighs the live rows (after
+    /// an append has succeeded: until then [`rollback`](Self::rollback)
+    /// may revive those rows).
+    pub(super) fn compact(&mut self) {
+        let w = self.width;
+        if self.tail_start * w == self.tail.len() {
+            self.tail.clear();
+            self.tail_start = 0;
+        } else if self.tail_start > 64 && self.tail_start * 2 > self.tail.len() / w {
+            self.tail.drain(..self.tail_start * w);
+            self.tail_start = 0;
+        }
+    }
+
+    /// [`compact`](Self::compact) in the middle of an append: drop only
+    /// dead rows added since `m`, so a rollback still finds the rows it
+    /// revives. Keeps the tail bounded during a long `extend`.
+    pub(super) fn compact_since(&mut self, m: &Mark) {
+        let w = self.width;
+        let keep = m.tail / w;
+        let rows = self.tail.len() / w;
+        if self.tail_start > keep + 64 && (self.tail_start - keep) * 2 > rows - keep {
+            self.tail.drain(keep * w..self.tail_start * w);
+            self.tail_start = keep;
+        }
+    }
+
+    /// Where every growing buffer ends, for [`rollback`](Self::rollback).
+    pub(super) fn mark(&self) -> Mark {
+        Mark {
+            sink: self.sink.len(),
+            tail: self.tail.len(),
+            tail_start: self.tail_start,
+            packed: self.packed,
+        }
+    }
+
+    /// Undo everything stored since `m` was taken (no compaction may have
+    /// run in between).
+    pub(super) fn rollback(&mut self, m: &Mark) {
+        self.sink.truncate(m.sink);
+        self.tail.truncate(m.tail);
+        self.tail_start = m.tail_start;
+        self.packed = m.packed;
+        if let Some(l) = self.layout {
+            let params = l.param_bytes(m.packed) / self.params.len();
+            for c in &mut self.codes {
+                c.truncate(l.head_code_bytes(m.packed));
+            }
+            for p in &mut self.params {
+                p.truncate(params);
+            }
+        }
+    }
+
+    /// Quantize `unit` rows (the next positions after the packed ones)
+    /// into packed storage.
+    pub(super) fn store_unit(
+        &mut self,
+        rows: &[f32],
+        unit: usize,
+        backend: Backend,
+        scratch: &mut Scratch,
+    ) {
+        let l = self.layout.expect("flush needs a scheme");
+        let rb = l.row_bytes();
+        let token = self.sinks + self.packed;
+        match l.scheme().axis() {
+            Axis::PerToken => {
+                scratch.codes.resize(l.n_kv_heads() * rb, 0);
+                scratch.params.resize(l.param_bytes(1), 0);
+                quantize_token(
+                    backend,
+                    &l,
+                    rows,
+                    token,
+                    &mut scratch.codes,
+                    &mut scratch.params,
+                )
+                .expect("scales were checked when the token was appended");
+                for (h, c) in self.codes.iter_mut().enumerate() {
+                    c.extend_from_slice(&scratch.codes[h * rb..(h + 1) * rb]);
+                }
+                let per = scratch.params.len() / self.params.len();
+                for (h, p) in self.params.iter_mut().enumerate() {
+                    p.extend_from_slice(&scratch.params[h * per..(h + 1) * per]);
+                }
+            }
+            Axis::PerChannel => {
+                scratch.codes.resize(unit * rb, 0);
+                scratch.params.resize(l.head_param_bytes(unit), 0);
+                for h in 0..l.n_kv_heads() {
+                    quantize_channel_block(
+                        backend,
+                        &l,
+                        rows,
+                        unit,
+                        h,
+                        token,
+                        &mut scratch.codes,
+                        &mut scratch.params,
+                    )
+                    .expect("scales were checked when the tokens were appended");
+                    self.codes[h].extend_from_slice(&scratch.codes);
+                    self.params[h].extend_from_slice(&scratch.params);
+                }
+            }
+        }
+        self.packed += unit;
+    }
+
+    /// Tokens quantized at a time, 1 when full precision.
+    pub(super) fn unit_or_1(&self) -> usize {
+        self.layout.map_or(1, |l| l.block_tokens())
+    }
+
+    /// The stored runs of positions `a..b` for head `h`, in order.
+    pub(super) fn sections(&self, h: usize, a: usize, b: usize) -> Vec<Section<'_>> {
+        let n_sink = self.sink.len() / self.width;
+        let p_end = n_sink + self.packed;
+        let t_end = p_end + self.tail_rows();
+        let mut out = Vec::with_capacity(3);
+        let clip = |s0: usize, s1: usize| (a.max(s0), b.min(s1));
+        let (x0, x1) = clip(0, n_sink);
+        if x0 < x1 {
+            out.push(Section {
+                start: x0,
+                len: x1 - x0,
+                data: SectionData::Dense(&self.sink[x0 * self.width..]),
+            });
+        }
+        let (x0, x1) = clip(n_sink, p_end);
+        if x0 < x1 {
+            let view = self.head(h).expect("packed tokens exist");
+            out.push(Section {
+                start: x0,
+                len: x1 - x0,
+                data: SectionData::Packed(sub_view(view, x0 - n_sink, x1 - n_sink)),
+            });
+        }
+        let (x0, x1) = clip(p_end, t_end);
+        if x0 < x1 {
+            out.push(Section {
+                start: x0,
+                len: x1 - x0,
+                data: SectionData::Dense(&self.tail_slice()[(x0 - p_end) * self.width..]),
+            });
+        }
+        out
+    }
+
+    pub(super) fn head(&self, h: usize) -> Option<PackedHead<'_>> {
+        let l = self.layout?;
+        if self.packed == 0 {
+            return None;
+        }
+        let p = if l.shared_params() {
+            &self.params[0]
+        } else {
+            &self.params[h]
+        };
+        Some(
+            PackedHead::new(l, self.packed, &self.codes[h], p)
+                .expect("cache keeps consistent buffers"),
+        )
+    }
+
+    pub(super) fn bytes(&self) -> CacheBytes {
+        CacheBytes {
+            codes: self.codes.iter().map(Vec::len).sum(),
+            params: self.params.iter().map(Vec::len).sum(),
+            full_precision: (self.sink.len() + self.tail_rows() * self.width) * 4,
+        }
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.sink.clear();
+        self.tail.clear();
+        self.tail_start = 0;
+        self.packed = 0;
+        self.codes.iter_mut().for_each(Vec::clear);
+        self.params.iter_mut().for_each(Vec::clear);
+    }
+
+    /// Everything as f32 rows `[len, width]`: what attention sees.
+    pub(super) fn to_f32(&self) -> Vec<f32> {
+        let mut out = self.sink.clone();
+        if let Some(l) = self.layout {
+            let hd = l.head_dim();
+            let n_kv = self.width / hd;
+            let base = out.len();
+            out.resize(base + self.packed * self.width, 0.0);
+            let mut tmp = vec![0f32; self.packed * hd];
+            for h in 0..n_kv {
+                if let Some(view) = self.head(h) {
+                    view.dequantize_into(&mut tmp);
+                    for t in 0..self.packed {
+                        let o = base + t * self.width + h * hd;
+                        out[o..o + hd].copy_from_slice(&tmp[t * hd..(t + 1) * hd]);
+                    }
+                }
+            }
+        }
+        out.extend_from_slice(self.tail_slice());
+        out
+    }
+}
