@@ -25,38 +25,50 @@
 //! All arithmetic is `f32` with FMA; no query is rounded to a narrower type.
 //!
 
-/// Run `shape_BITS_HD::run$args` (of the listed modules) for the head's
-/// width and dimension, and `shape_any::run$args` for every other shape. The widths that matter most
-/// at head_dim 128 (Llama, Mistral, Qwen and most served models) get a
-/// compile-time shape: fully unrolled rows held in registers, the fused
-/// kernels. Every other shape runs one instance compiled for any width and
-/// dimension (`BITS = 0, HD = 0`, both read at run time: the tile-buffer
-/// kernels). A compile-time shape costs tens of KiB of machine code per
-/// kernel and token and seconds of build time, so shapes are listed only
-/// where a benchmark shows the fused kernels pay (`docs/PERFORMANCE.md`):
-/// 4 and 8 bits on every token, 2 and 3 bits only with 32 vector registers
-/// (AVX-512; see [`fused_shape`]).
+/// Run `shape_BITS_HD::run$args` (of the listed modules) for a head whose
+/// width and dimension [`compiled_shape`] lists for `$backend`, and
+/// `shape_any::run$args` for every other shape.
 macro_rules! by_shape {
     ($backend:expr, $head:expr, [$s2:ident, $s3:ident, $s4:ident, $s8:ident, $any:ident], $args:tt) => {{
         let l = $head.layout();
-        let wide = $backend == $crate::simd::Backend::Avx512;
-        match (l.scheme().bits(), l.head_dim()) {
-            (2, 128) if wide => $s2::run $args,
-            (3, 128) if wide => $s3::run $args,
-            (4, 128) => $s4::run $args,
-            (8, 128) => $s8::run $args,
-            _ => $any::run $args,
+        let (bits, hd) = (l.scheme().bits(), l.head_dim());
+        match bits {
+            _ if !$crate::kernels::x86_64::compiled_shape($backend, bits, hd) => $any::run $args,
+            2 => $s2::run $args,
+            3 => $s3::run $args,
+            4 => $s4::run $args,
+            _ => $s8::run $args,
         }
     }};
 }
 pub(crate) use by_shape;
 
-/// Whether token `S` has compiled kernels for the shape `(B, HD)` that
-/// [`by_shape!`] routes to it (`(0, 0)`: any shape). A `const` guard around
-/// the call, so a token's other shapes are never compiled.
+/// Whether `backend` has kernels compiled for heads of `bits` bits and
+/// `head_dim` (one place for [`by_shape!`]'s routing and the `const`
+/// guards of [`fused_shape`]). The widths that matter most at head_dim 128
+/// (Llama, Mistral, Qwen and most served models) get a compile-time shape:
+/// fully unrolled rows held in registers, the fused kernels. Every other
+/// shape runs one instance compiled for any width and dimension (`BITS =
+/// 0, HD = 0`, both read at run time: the tile-buffer kernels). A
+/// compile-time shape costs tens of KiB of machine code per kernel and
+/// token and seconds of build time, so shapes are listed only where a
+/// benchmark shows the fused kernels pay (`docs/PERFORMANCE.md`): 4 and 8
+/// bits on both tokens, 2 and 3 bits on AVX-512 (the paired bench's 2- and
+/// 3-bit cases).
+pub(crate) const fn compiled_shape(backend: Backend, bits: u8, head_dim: usize) -> bool {
+    head_dim == 128
+        && match bits {
+            4 | 8 => true,
+            2 | 3 => matches!(backend, Backend::Avx512),
+            _ => false,
+        }
+}
+
+/// Whether token `S` has kernels compiled for the shape `(B, HD)`
+/// (`(0, 0)`: any shape). A `const` guard around the call, so a token's
+/// other shapes are never compiled.
 pub(crate) const fn fused_shape<S: Simd>(b: u8, hd: usize) -> bool {
-    (b == 0 && hd == 0)
-        || (hd == 128 && (b == 4 || b == 8 || (S::REGS >= 32 && (b == 2 || b == 3))))
+    (b == 0 && hd == 0) || compiled_shape(S::BACKEND, b, hd)
 }
 
 pub(crate) mod generic;
@@ -67,6 +79,7 @@ pub(crate) use crate::simd::x86_64::{Avx512Vnni, Simd};
 pub(crate) use generic::DenseElem;
 
 use crate::scheme::Axis;
+use crate::simd::Backend;
 use crate::store::PackedHead;
 
 /// Assert every length the packed kernels' raw loops rely on: `q_len`
