@@ -22,7 +22,10 @@ use std::time::Instant;
 
 use ndarray::ArrayView2;
 
+use crate::capture::{Capture, Recorder};
+use crate::kvq_store::{CacheSpec, KvqStore};
 use crate::model::{Hooks, KvStore, Model, ModelError, Result};
+use crate::BoxError;
 
 /// How the tokens of a window are fed to the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +128,20 @@ pub fn nll(logits: &[f32], target: usize) -> f64 {
         .ln()
         + max;
     lse - logits[target] as f64
+}
+
+/// The full-precision Q/K/V of every layer over the window `tokens`: a
+/// prefill from an empty full-precision cache, recorded layer by layer.
+pub fn capture_window(model: &Model, tokens: &[u32]) -> std::result::Result<Capture, BoxError> {
+    let c = &model.cfg;
+    let mut rec = Recorder::new(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, tokens);
+    let mut store = KvqStore::new(c.n_layers, c.n_kv_heads, c.head_dim, CacheSpec::FULL)?;
+    let mut hooks = Hooks {
+        observer: Some(&mut rec),
+        ..Hooks::default()
+    };
+    window_nll(model, tokens, &mut store, &mut hooks, EvalPath::Prefill)?;
+    Ok(rec.capture)
 }
 
 /// Per-prediction NLL of one window (`tokens.len() - 1` values).

@@ -16,10 +16,7 @@ use clap::Parser;
 use kvq::metrics::{layer_errors, AttnShape, ErrorSummary, MetricsConfig};
 use kvq::{Axis, Group, KvQuantizer, QuantScheme, UniformQuantizer};
 
-use crate::capture::Recorder;
-use crate::kvq_store::{CacheSpec, KvqStore};
-use crate::model::Hooks;
-use crate::ppl::{window_nll, EvalPath};
+use crate::ppl::capture_window;
 use crate::report::{Align, Table};
 use crate::BoxError;
 
@@ -56,7 +53,7 @@ pub struct Args {
 pub fn run(args: Args) -> Result<(), BoxError> {
     let (tok, model) = super::load(&crate::assets::path(crate::assets::MODEL))?;
     let c = model.cfg.clone();
-    let (nl, nq, nkv, hd) = (c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim);
+    let (nq, nkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
     let shape = AttnShape::new(nq, nkv, hd)?;
     let mcfg = MetricsConfig::new().with_causal(0);
     use Align::{Left, Right};
@@ -79,14 +76,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         let first = ids
             .get(..512)
             .ok_or_else(|| format!("{d}: fewer than 512 tokens"))?;
-        let mut rec = Recorder::new(nl, nq, nkv, hd, first);
-        let mut store = KvqStore::new(nl, nkv, hd, CacheSpec::FULL)?;
-        let mut hooks = Hooks {
-            observer: Some(&mut rec),
-            ..Hooks::default()
-        };
-        window_nll(&model, first, &mut store, &mut hooks, EvalPath::Prefill)?;
-        let cap = rec.capture;
+        let cap = capture_window(&model, first)?;
         for tensor in ["keys", "values"] {
             for &b in &args.bits {
                 for axis in [Axis::PerToken, Axis::PerChannel] {

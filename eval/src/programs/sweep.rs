@@ -27,10 +27,10 @@ use clap::Parser;
 use kvq::{Axis, Group, QuantScheme};
 use serde::Serialize;
 
-use crate::capture::{Capture, Recorder};
+use crate::capture::Capture;
 use crate::kvq_store::{CacheSpec, KvqStore};
 use crate::model::Hooks;
-use crate::ppl::{perplexity, window_nll, EvalPath, PplOptions};
+use crate::ppl::{capture_window, perplexity, EvalPath, PplOptions};
 use crate::report::{self, Align, PlotPoint, Table};
 use crate::BoxError;
 
@@ -303,16 +303,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         let first = tokens
             .get(..opts.window)
             .ok_or_else(|| format!("{domain}: fewer than {} tokens", opts.window))?;
-        let mut rec = Recorder::new(n_layers, n_q, n_kv, hd, first);
-        {
-            let mut store = KvqStore::new(n_layers, n_kv, hd, CacheSpec::FULL)?;
-            let mut hooks = Hooks {
-                observer: Some(&mut rec),
-                ..Hooks::default()
-            };
-            window_nll(&model, first, &mut store, &mut hooks, EvalPath::Prefill)?;
-        }
-        let cap = rec.capture;
+        let cap = capture_window(&model, first)?;
         let mut base: Option<(f64, f64)> = None;
         for c in &configs {
             let mut store = KvqStore::new(n_layers, n_kv, hd, c.spec)?;
