@@ -15,6 +15,7 @@
 use super::generic::{self, Buf, Plan};
 use crate::scheme::{Axis, Mode, ScaleFormat};
 use crate::simd::x86_64::{Avx512, Avx512Vnni, Simd};
+use crate::simd::Backend;
 use crate::store::PackedHead;
 use core::arch::x86_64::*;
 
@@ -327,16 +328,20 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn entry(s: Avx512Vnni, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     // SAFETY: the caller's contract, passed on (`takes`: hd is 64/128/256).
-    // The int8 paths that are benchmarked get a compile-time shape; the
-    // rest share one kernel compiled for any width and dimension.
+    // The shapes the exact AVX-512 kernels are compiled for get a
+    // compile-time int8 kernel too; the rest share one kernel compiled for
+    // any width and dimension.
     unsafe {
         let l = head.layout();
-        match (l.scheme().bits(), l.head_dim()) {
-            (2, 128) => kernel::<2, 128>(s, head, q, out),
-            (3, 128) => kernel::<3, 128>(s, head, q, out),
-            (4, 128) => kernel::<4, 128>(s, head, q, out),
-            (8, 128) => kernel::<8, 128>(s, head, q, out),
-            _ => kernel::<0, 0>(s, head, q, out),
+        let (bits, hd) = (l.scheme().bits(), l.head_dim());
+        match bits {
+            _ if !super::compiled_shape(Backend::Avx512, bits, hd) => {
+                kernel::<0, 0>(s, head, q, out)
+            }
+            2 => kernel::<2, 128>(s, head, q, out),
+            3 => kernel::<3, 128>(s, head, q, out),
+            4 => kernel::<4, 128>(s, head, q, out),
+            _ => kernel::<8, 128>(s, head, q, out),
         }
     }
 }
