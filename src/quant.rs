@@ -524,17 +524,24 @@ mod token_kernel {
         pub(super) params: &'a mut [u8],
     }
 
+    impl QuantizeToken<'_> {
+        #[inline(always)]
+        fn run<O: QuantOps>(self, ops: O) -> Result<()> {
+            quantize_token_generic(ops, self.l, self.x, self.token, self.codes, self.params)
+        }
+    }
+
     impl Kernel for QuantizeToken<'_> {
         type Output = Result<()>;
 
         fn portable(self) -> Result<()> {
-            quantize_token_generic(Scalar, self.l, self.x, self.token, self.codes, self.params)
+            self.run(Scalar)
         }
 
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
         fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
-            quantize_token_generic(s, self.l, self.x, self.token, self.codes, self.params)
+            self.run(s)
         }
     }
 }
