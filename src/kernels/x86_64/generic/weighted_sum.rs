@@ -36,24 +36,37 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
         w[..n].copy_from_slice(&p[i * t_all + t0..i * t_all + t0 + n]);
         w
     };
+    // 3-bit rows take the fused path only transcoded to bytes, so no
+    // 3-bit instance of `fused_sum_pt` is compiled.
+    let t3 = if const { HD > 0 && B == 3 } {
+        Tile3::new::<B>(s, hd)
+    } else {
+        None
+    };
     match head.layout().scheme().axis() {
         Axis::PerToken
             if const { HD > 0 }
                 && g.fast
                 && matches!(nq, 1 | 4)
                 && g.nch <= MAX_NCH
+                && (B != 3 || t3.is_some())
                 && head.layout().channels_per_group().is_multiple_of(S::L) =>
         {
             let mut tp = TileParams::new::<S>(head, g, pl);
-            let (a, t3) = (acc.m(), Tile3::new::<B>(s, hd));
+            let a = acc.m();
             // SAFETY: check_head passed; the shape conditions of the arm
             // hold. Transcoded 3-bit rows are read as 8-bit rows.
             unsafe {
                 match (nq, t3) {
                     (1, Some(t3)) => fused_sum_pt::<S, 8, 1>(s, g, head, &mut tp, p, a, Some(t3)),
                     (_, Some(t3)) => fused_sum_pt::<S, 8, 4>(s, g, head, &mut tp, p, a, Some(t3)),
-                    (1, None) => fused_sum_pt::<S, B, 1>(s, g, head, &mut tp, p, a, None),
-                    (_, None) => fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, a, None),
+                    (1, None) if const { B != 3 } => {
+                        fused_sum_pt::<S, B, 1>(s, g, head, &mut tp, p, a, None)
+                    }
+                    (_, None) if const { B != 3 } => {
+                        fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, a, None)
+                    }
+                    (_, None) => unreachable!("the arm's guard holds a 3-bit tile"),
                 }
             }
         }
@@ -438,6 +451,7 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
         && (g.hd / nf).is_multiple_of(S::L)
         && h.is_multiple_of(bb)
         && bb * nf <= 16
+        && bb <= 8
         && tp.p.fmt == ScaleFormat::F16;
     // Accumulator slots per field.
     let fs = 16 / nf;
@@ -559,12 +573,10 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 while jj0 < h {
                     let mut a = [[s.zero(); 16]; NQ];
                     unroll!(4; i in 0, NQ => {
-                        unroll!(4; f in 0, 4 => {
-                            unroll!(8; k in 0, 8 => {
-                                if f < nf && k < bb {
-                                    let o = i * hdp + (jj0 + k + f * h) * S::L;
-                                    a[i][f * fs + k] = s.load(acc.as_ptr().add(o));
-                                }
+                        unroll!(4; f in 0, nf => {
+                            unroll!(8; k in 0, bb => {
+                                let o = i * hdp + (jj0 + k + f * h) * S::L;
+                                a[i][f * fs + k] = s.load(acc.as_ptr().add(o));
                             });
                         });
                     });
@@ -583,41 +595,33 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         // One widening per byte vector; field `f` (vector
                         // `jj + f·h`) is `v_f − v_{f−1}` of the masked
                         // prefixes, exact and `2^{B·f}` times the field.
-                        unroll!(8; k in 0, 8 => {
-                            if k < bb {
-                                let bytes = s.load_u8(row.add(k * S::L));
-                                let mut v = [s.zero(); 4];
-                                let mut x = [s.zero(); 4];
-                                unroll!(4; f in 0, 4 => {
-                                    if f < nf {
-                                        v[f] = byte_prefix::<S, B>(s, bytes, f);
-                                        x[f] = if f == 0 { v[0] } else { s.sub(v[f], v[f - 1]) };
-                                    }
-                                });
-                                unroll!(4; f in 0, 4 => {
-                                    if f < nf {
-                                        let wf = s.bcast(w.add(f * h + k));
-                                        if fold {
-                                            let zf = s.bcast(zr.add(f * h + k));
-                                            let xf = s.fma(x[f], wf, zf);
-                                            unroll!(4; i in 0, NQ => {
-                                                a[i][f * fs + k] = s.fma(xf, pb[i], a[i][f * fs + k]);
-                                            });
-                                        } else {
-                                            a[0][f * fs + k] = s.fma(x[f], wf, a[0][f * fs + k]);
-                                        }
-                                    }
-                                });
-                            }
+                        unroll!(8; k in 0, bb => {
+                            let bytes = s.load_u8(row.add(k * S::L));
+                            let mut v = [s.zero(); 4];
+                            let mut x = [s.zero(); 4];
+                            unroll!(4; f in 0, nf => {
+                                v[f] = byte_prefix::<S, B>(s, bytes, f);
+                                x[f] = if f == 0 { v[0] } else { s.sub(v[f], v[f - 1]) };
+                            });
+                            unroll!(4; f in 0, nf => {
+                                let wf = s.bcast(w.add(f * h + k));
+                                if fold {
+                                    let zf = s.bcast(zr.add(f * h + k));
+                                    let xf = s.fma(x[f], wf, zf);
+                                    unroll!(4; i in 0, NQ => {
+                                        a[i][f * fs + k] = s.fma(xf, pb[i], a[i][f * fs + k]);
+                                    });
+                                } else {
+                                    a[0][f * fs + k] = s.fma(x[f], wf, a[0][f * fs + k]);
+                                }
+                            });
                         });
                     }
                     unroll!(4; i in 0, NQ => {
-                        unroll!(4; f in 0, 4 => {
-                            unroll!(8; k in 0, 8 => {
-                                if f < nf && k < bb {
-                                    let o = i * hdp + (jj0 + k + f * h) * S::L;
-                                    s.store(acc.as_mut_ptr().add(o), a[i][f * fs + k]);
-                                }
+                        unroll!(4; f in 0, nf => {
+                            unroll!(8; k in 0, bb => {
+                                let o = i * hdp + (jj0 + k + f * h) * S::L;
+                                s.store(acc.as_mut_ptr().add(o), a[i][f * fs + k]);
                             });
                         });
                     });
