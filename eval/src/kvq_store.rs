@@ -3,7 +3,7 @@
 //! `v_proj` values), and attention runs on the fused kernels.
 
 use crate::model::KvStore;
-use kvq::{CacheConfig, KvCache, QuantScheme};
+use kvq::{CacheConfig, Codec, KvCache, QuantScheme, Rotation};
 
 /// Schemes and windows of a quantized cache (`None` keeps that tensor in
 /// full precision).
@@ -17,6 +17,8 @@ pub struct CacheSpec {
     pub residual: usize,
     /// Attention-sink tokens kept exact.
     pub sinks: usize,
+    /// The rotation around both schemes ([`Codec::with_rotation`]).
+    pub rotation: Rotation,
     /// Attention through the opt-in int8 kernels
     /// ([`CacheConfig::int8_kernels`]).
     pub int8: bool,
@@ -29,8 +31,21 @@ impl CacheSpec {
         values: None,
         residual: 0,
         sinks: 0,
+        rotation: Rotation::None,
         int8: false,
     };
+
+    /// The key codec (`None`: full precision).
+    pub fn key_codec(&self) -> Option<Codec> {
+        self.keys
+            .map(|s| Codec::uniform(s).with_rotation(self.rotation))
+    }
+
+    /// The value codec (`None`: full precision).
+    pub fn value_codec(&self) -> Option<Codec> {
+        self.values
+            .map(|s| Codec::uniform(s).with_rotation(self.rotation))
+    }
 }
 
 /// A kvq cache for every layer of a model.
@@ -48,8 +63,8 @@ impl KvqStore {
         spec: CacheSpec,
     ) -> Result<Self, kvq::Error> {
         let cfg = CacheConfig::new(n_kv_heads, head_dim)
-            .keys_opt(spec.keys)
-            .values_opt(spec.values)
+            .key_codec(spec.key_codec())
+            .value_codec(spec.value_codec())
             .residual(spec.residual)
             .sinks(spec.sinks)
             .int8_kernels(spec.int8);

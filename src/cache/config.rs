@@ -7,8 +7,8 @@ use super::*;
 pub struct CacheConfig {
     pub(super) n_kv_heads: usize,
     pub(super) head_dim: usize,
-    pub(super) keys: Option<QuantScheme>,
-    pub(super) values: Option<QuantScheme>,
+    pub(super) keys: Option<Codec>,
+    pub(super) values: Option<Codec>,
     pub(super) residual: usize,
     pub(super) sinks: usize,
     pub(super) softmax_scale: Option<f32>,
@@ -35,24 +35,35 @@ impl CacheConfig {
             int8: false,
         }
     }
-    /// Quantize keys with `scheme`.
+    /// Quantize keys with `scheme` (the uniform grid, [`Codec::uniform`]).
     pub fn keys(mut self, scheme: QuantScheme) -> Self {
-        self.keys = Some(scheme);
+        self.keys = Some(Codec::uniform(scheme));
         self
     }
-    /// Quantize values with `scheme`.
+    /// Quantize values with `scheme` (the uniform grid, [`Codec::uniform`]).
     pub fn values(mut self, scheme: QuantScheme) -> Self {
-        self.values = Some(scheme);
+        self.values = Some(Codec::uniform(scheme));
         self
     }
     /// Keep keys in full precision (`None`) or quantize them.
     pub fn keys_opt(mut self, scheme: Option<QuantScheme>) -> Self {
-        self.keys = scheme;
+        self.keys = scheme.map(Codec::uniform);
         self
     }
     /// Keep values in full precision (`None`) or quantize them.
     pub fn values_opt(mut self, scheme: Option<QuantScheme>) -> Self {
-        self.values = scheme;
+        self.values = scheme.map(Codec::uniform);
+        self
+    }
+    /// Store keys in `codec` (`None`: full precision), e.g.
+    /// [`Codec::hadamard`] for rotated keys.
+    pub fn key_codec(mut self, codec: impl Into<Option<Codec>>) -> Self {
+        self.keys = codec.into();
+        self
+    }
+    /// Store values in `codec` (`None`: full precision).
+    pub fn value_codec(mut self, codec: impl Into<Option<Codec>>) -> Self {
+        self.values = codec.into();
         self
     }
     /// Keep the newest `tokens` in full precision.
@@ -75,7 +86,8 @@ impl CacheConfig {
         self.backend = Some(backend);
         self
     }
-    /// Opt in to the approximate int8 kernels in `attend`: packed keys
+    /// Opt in to the approximate int8 kernels in `attend` for both codecs
+    /// (as [`Codec::with_int8_kernels`] on each): packed keys
     /// through [`kernels::scores_i8_on`] (int8 query) and packed values
     /// through [`kernels::weighted_sum_i8_on`] (int8 weights). Faster on
     /// CPUs with AVX-512 VNNI, with the extra error documented there and
@@ -105,10 +117,18 @@ impl CacheConfig {
     }
     /// Key scheme (`None`: full precision).
     pub fn key_scheme(&self) -> Option<QuantScheme> {
-        self.keys
+        self.keys.map(|c| c.scheme())
     }
     /// Value scheme (`None`: full precision).
     pub fn value_scheme(&self) -> Option<QuantScheme> {
+        self.values.map(|c| c.scheme())
+    }
+    /// Key codec (`None`: full precision).
+    pub fn key_codec_spec(&self) -> Option<Codec> {
+        self.keys
+    }
+    /// Value codec (`None`: full precision).
+    pub fn value_codec_spec(&self) -> Option<Codec> {
         self.values
     }
     /// Residual window length.

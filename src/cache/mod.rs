@@ -60,13 +60,13 @@
 use crate::element::{as_f32, widen_into, Element};
 use crate::error::{Error, Result};
 use crate::kernels::{self, axpy, dot, Backend};
-use crate::quant::{
-    abs_max_finite, check_finite, check_len, group_params, quantize_channel_block, quantize_token,
-};
+use crate::quant::codec::{Codec, KvCodec, Pending};
+use crate::quant::{abs_max_finite, check_finite, check_len};
 use crate::scheme::{check_shape, Axis, Layout, QuantScheme};
 use crate::store::PackedHead;
 use crate::views::{check_tail, check_tokens, contiguous};
 use ndarray::{Array3, ArrayView2, ArrayView3};
+use std::sync::Arc;
 
 mod attention;
 mod config;
@@ -134,11 +134,14 @@ impl LayerCache {
     /// not fit `head_dim` (see [`QuantScheme::layout`]).
     pub fn new(cfg: CacheConfig) -> Result<Self> {
         check_shape("LayerCache::new", cfg.n_kv_heads, cfg.head_dim)?;
-        let lay = |s: Option<QuantScheme>| {
-            s.map(|s| s.layout(cfg.n_kv_heads, cfg.head_dim))
-                .transpose()
+        let build = |c: Option<Codec>| {
+            c.map(|c| {
+                c.with_int8_kernels(c.int8_kernels() || cfg.int8)
+                    .build(cfg.n_kv_heads, cfg.head_dim)
+            })
+            .transpose()
         };
-        let (lk, lv) = (lay(cfg.keys)?, lay(cfg.values)?);
+        let (lk, lv) = (build(cfg.keys)?, build(cfg.values)?);
         let threads = match cfg.threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
@@ -329,7 +332,20 @@ impl LayerCache {
         let w = n_kv * hd;
         // f32 input is used in place; f16/bf16 is widened once.
         let (mut wk, mut wv) = (std::mem::take(&mut s.k), std::mem::take(&mut s.v));
-        let r = self.extend_f32(op, as_f32(k, &mut wk), as_f32(v, &mut wv), n_kv, hd, w, s);
+        let (kf, vf) = (as_f32(k, &mut wk), as_f32(v, &mut wv));
+        let r = if self.k.transforms() || self.v.transforms() {
+            // Rotating codecs store (and check) the rotated rows, sinks and
+            // residual window included. NaN/inf is reported as found in the
+            // input, before the rotation spreads it over a head.
+            check_finite(op, kf, n_kv, hd, 0)
+                .and_then(|()| check_finite(op, vf, n_kv, hd, 0))
+                .and_then(|()| {
+                    let (rk, rv) = (self.k.stored_rows(kf), self.v.stored_rows(vf));
+                    self.extend_f32(op, &rk, &rv, n_kv, hd, w, s)
+                })
+        } else {
+            self.extend_f32(op, kf, vf, n_kv, hd, w, s)
+        };
         (s.k, s.v) = (wk, wv);
         r
     }
@@ -560,6 +576,9 @@ impl LayerCache {
         widen_into(q, &mut qf);
         check_finite(op, &qf, n_q_heads, hd, 0)?;
         qf.iter_mut().for_each(|x| *x *= scale);
+        if let Some(c) = self.k.codec.as_ref().filter(|c| c.transforms()) {
+            c.transform_in(&mut qf);
+        }
 
         let n_kv = self.cfg.n_kv_heads;
         let per_head = n * r * hd;
@@ -595,6 +614,9 @@ impl LayerCache {
             for (h, dst) in tmp.chunks_mut(per_head).enumerate() {
                 self.head_attention(h, &gather(h), n, r, window, dst);
             }
+        }
+        if let Some(c) = self.v.codec.as_ref().filter(|c| c.transforms()) {
+            c.transform_out(&mut tmp);
         }
         // Scatter [h][j][r·hd] into [j][h·r·hd].
         for h in 0..n_kv {
@@ -781,12 +803,9 @@ impl LayerCache {
                 SectionData::Packed(view) => {
                     tmp.clear();
                     tmp.resize(rows * sec.len, 0.0);
-                    if self.cfg.int8 {
-                        kernels::scores_i8_on(self.backend, &view, q, tmp)
-                    } else {
-                        kernels::scores_on(self.backend, &view, q, tmp)
-                    }
-                    .expect("lengths are consistent");
+                    let c = self.k.codec.as_ref().expect("packed tokens have a codec");
+                    c.scores(self.backend, &view, q, tmp)
+                        .expect("lengths are consistent");
                     for i in 0..rows {
                         out[i * width + off..i * width + off + sec.len]
                             .copy_from_slice(&tmp[i * sec.len..(i + 1) * sec.len]);
@@ -831,12 +850,9 @@ impl LayerCache {
                         tmp[i * sec.len..(i + 1) * sec.len]
                             .copy_from_slice(&p[i * width + off..i * width + off + sec.len]);
                     }
-                    if self.cfg.int8 {
-                        kernels::weighted_sum_i8_on(self.backend, &view, tmp, dst)
-                    } else {
-                        kernels::weighted_sum_on(self.backend, &view, tmp, dst)
-                    }
-                    .expect("lengths are consistent");
+                    let c = self.v.codec.as_ref().expect("packed tokens have a codec");
+                    c.weighted_sum(self.backend, &view, tmp, dst)
+                        .expect("lengths are consistent");
                 }
             }
         }

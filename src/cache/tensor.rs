@@ -5,6 +5,8 @@ use super::*;
 /// One of K or V of a layer.
 #[derive(Debug, Clone)]
 pub(super) struct Tensor {
+    /// The stored format (`None`: full precision) and its layout.
+    pub(super) codec: Option<Arc<dyn KvCodec>>,
     pub(super) layout: Option<Layout>,
     pub(super) width: usize,
     pub(super) sinks: usize,
@@ -28,7 +30,8 @@ impl PartialEq for Tensor {
     /// Equal when every stored number agrees (ignoring spare capacity and
     /// the dead prefix of the tail).
     fn eq(&self, o: &Self) -> bool {
-        self.layout == o.layout
+        self.codec.as_ref().map(|c| c.spec()) == o.codec.as_ref().map(|c| c.spec())
+            && self.layout == o.layout
             && self.sink == o.sink
             && self.tail_slice() == o.tail_slice()
             && self.packed == o.packed
@@ -50,18 +53,20 @@ impl Tensor {
     }
 
     pub(super) fn new(
-        layout: Option<Layout>,
+        codec: Option<Arc<dyn KvCodec>>,
         n_kv: usize,
         hd: usize,
         sinks: usize,
         residual: usize,
     ) -> Self {
+        let layout = codec.as_ref().map(|c| *c.layout());
         let np = match layout {
             Some(l) if l.shared_params() => 1,
             _ => n_kv,
         };
         let pc = matches!(layout, Some(l) if l.scheme().axis() == Axis::PerChannel);
         Tensor {
+            codec,
             layout,
             width: n_kv * hd,
             sinks,
@@ -77,6 +82,20 @@ impl Tensor {
         }
     }
 
+    /// Whether the codec maps rows into another space.
+    pub(super) fn transforms(&self) -> bool {
+        self.codec.as_ref().is_some_and(|c| c.transforms())
+    }
+
+    /// `rows` in the codec's stored space (a copy).
+    pub(super) fn stored_rows(&self, rows: &[f32]) -> Vec<f32> {
+        let mut out = rows.to_vec();
+        if let Some(c) = self.codec.as_ref().filter(|c| c.transforms()) {
+            c.transform_in(&mut out);
+        }
+        out
+    }
+
     pub(super) fn tail_rows(&self) -> usize {
         (self.tail.len() / self.width) - self.tail_start
     }
@@ -90,104 +109,29 @@ impl Tensor {
         self.layout.map_or(usize::MAX, |l| l.block_tokens())
     }
 
-    /// Check that `rows` (tokens at positions `pos0..`) can be stored, and
-    /// advance the per-channel pending state in `pend` accordingly.
-    /// `abs_max` is the largest `|x|` of `rows` (all finite).
+    /// Check that `rows` (tokens at positions `pos0..`, in the stored
+    /// space) can be stored, and advance the per-channel pending state in
+    /// `pend` accordingly. `abs_max` is the largest `|x|` of `rows` (all
+    /// finite). Sink positions are stored exact and need no check.
     pub(super) fn check(
         &self,
         what: &'static str,
         rows: &[f32],
         abs_max: f32,
         pos0: usize,
-        pend: &mut (Vec<f32>, Vec<f32>),
+        pend: &mut Pending,
     ) -> Result<()> {
-        let Some(l) = self.layout else { return Ok(()) };
-        let s = l.scheme();
-        let pc = s.axis() == Axis::PerChannel;
-        // Common case: every value is small enough that no scale can
-        // overflow; only the per-channel running range needs updating.
-        if abs_max <= crate::quant::safe_abs(s.scale_format()) {
-            if pc {
-                self.advance_pending(rows, pos0, pend);
-            }
-            return Ok(());
-        }
-        let hd = l.head_dim();
-        let ovf = |w: &'static str, v: f32, t: usize, h: usize, g: usize| Error::ScaleOverflow {
-            op: what,
-            what: w,
-            value: v,
-            format: s.scale_format().name(),
-            token: t,
-            head: h,
-            group: g,
-        };
-        for (i, row) in rows.chunks_exact(self.width).enumerate() {
-            let pos = pos0 + i;
-            if pos < self.sinks {
-                continue;
-            }
-            match s.axis() {
-                Axis::PerToken => {
-                    let gl = l.channels_per_group();
-                    for (j, g) in row.chunks_exact(gl.min(self.width)).enumerate() {
-                        let (mn, mx) = crate::quant::min_max(g);
-                        group_params(s, mn, mx).map_err(|(w, v)| {
-                            let gph = (hd / gl).max(1);
-                            ovf(w, v, i, j / gph, j % gph)
-                        })?;
-                    }
-                }
-                Axis::PerChannel => {
-                    let first = (pos - self.sinks).is_multiple_of(l.group_len());
-                    let (mn, mx) = pend;
-                    for c in 0..self.width {
-                        if first {
-                            mn[c] = row[c];
-                            mx[c] = row[c];
-                        } else {
-                            mn[c] = mn[c].min(row[c]);
-                            mx[c] = mx[c].max(row[c]);
-                        }
-                        group_params(s, mn[c], mx[c])
-                            .map_err(|(w, v)| ovf(w, v, i, c / hd, c % hd))?;
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Per-channel: fold `rows` into the running min/max of their blocks.
-    pub(super) fn advance_pending(
-        &self,
-        rows: &[f32],
-        pos0: usize,
-        pend: &mut (Vec<f32>, Vec<f32>),
-    ) {
-        let g = self.layout.map_or(1, |l| l.group_len());
-        let (mn, mx) = pend;
-        // Only the rows from the last block start on decide the state.
-        let n = rows.len() / self.width;
-        let last_start = (0..n)
-            .rev()
-            .find(|&i| pos0 + i >= self.sinks && (pos0 + i - self.sinks).is_multiple_of(g))
-            .unwrap_or(0);
-        for (i, row) in rows.chunks_exact(self.width).enumerate().skip(last_start) {
-            let pos = pos0 + i;
-            if pos < self.sinks {
-                continue;
-            }
-            if (pos - self.sinks).is_multiple_of(g) {
-                mn.copy_from_slice(row);
-                mx.copy_from_slice(row);
-            } else {
-                for ((lo, hi), &v) in mn.iter_mut().zip(mx.iter_mut()).zip(row) {
-                    *lo = if v < *lo { v } else { *lo };
-                    *hi = if v > *hi { v } else { *hi };
-                }
-            }
-        }
+        let Some(c) = &self.codec else { return Ok(()) };
+        let n_sink = self.sinks.saturating_sub(pos0).min(rows.len() / self.width);
+        let first = (pos0 + n_sink).saturating_sub(self.sinks);
+        c.check(
+            what,
+            &rows[n_sink * self.width..],
+            abs_max,
+            first,
+            n_sink,
+            pend,
+        )
     }
 
     /// Store checked rows at positions `pos0..`: sink positions first,
@@ -215,11 +159,8 @@ impl Tensor {
         }
         let live = self.tail_rows();
         let total = live + m;
-        let units = if total >= self.residual + unit {
-            (total - self.residual) / unit
-        } else {
-            0
-        };
+        // (`residual` may be `usize::MAX`: keep everything exact.)
+        let units = total.saturating_sub(self.residual) / unit;
         // Units that start in the tail are completed and quantized there.
         let mixed = units.min(live.div_ceil(unit));
         let need = (mixed * unit).saturating_sub(live);
@@ -313,16 +254,17 @@ impl Tensor {
         backend: Backend,
         scratch: &mut Scratch,
     ) {
-        let l = self.layout.expect("flush needs a scheme");
+        let (Some(c), Some(l)) = (&self.codec, self.layout) else {
+            unreachable!("only a tensor with a codec quantizes");
+        };
         let rb = l.row_bytes();
         let token = self.sinks + self.packed;
         match l.scheme().axis() {
             Axis::PerToken => {
                 scratch.codes.resize(l.n_kv_heads() * rb, 0);
                 scratch.params.resize(l.param_bytes(1), 0);
-                quantize_token(
+                c.encode_token(
                     backend,
-                    &l,
                     rows,
                     token,
                     &mut scratch.codes,
@@ -341,9 +283,8 @@ impl Tensor {
                 scratch.codes.resize(unit * rb, 0);
                 scratch.params.resize(l.head_param_bytes(unit), 0);
                 for h in 0..l.n_kv_heads() {
-                    quantize_channel_block(
+                    c.encode_block(
                         backend,
-                        &l,
                         rows,
                         unit,
                         h,
@@ -433,10 +374,11 @@ impl Tensor {
         self.params.iter_mut().for_each(Vec::clear);
     }
 
-    /// Everything as f32 rows `[len, width]`: what attention sees.
+    /// Everything as f32 rows `[len, width]`: what attention sees, mapped
+    /// back from the codec's stored space.
     pub(super) fn to_f32(&self) -> Vec<f32> {
         let mut out = self.sink.clone();
-        if let Some(l) = self.layout {
+        if let (Some(c), Some(l)) = (&self.codec, self.layout) {
             let hd = l.head_dim();
             let n_kv = self.width / hd;
             let base = out.len();
@@ -444,7 +386,7 @@ impl Tensor {
             let mut tmp = vec![0f32; self.packed * hd];
             for h in 0..n_kv {
                 if let Some(view) = self.head(h) {
-                    view.dequantize_into(&mut tmp);
+                    c.decode(&view, &mut tmp);
                     for t in 0..self.packed {
                         let o = base + t * self.width + h * hd;
                         out[o..o + hd].copy_from_slice(&tmp[t * hd..(t + 1) * hd]);
@@ -453,6 +395,9 @@ impl Tensor {
             }
         }
         out.extend_from_slice(self.tail_slice());
+        if let Some(c) = self.codec.as_ref().filter(|c| c.transforms()) {
+            c.transform_out(&mut out);
+        }
         out
     }
 }

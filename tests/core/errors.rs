@@ -363,3 +363,55 @@ fn errors_scale_overflow() {
         }
     }
 }
+
+/// A 1-bit asymmetric vector-group scheme whose two heads are each
+/// constant but far apart: every head's range is empty, the vector's is
+/// 80000, beyond f16. The append is an error, like the quantizer's.
+#[test]
+fn errors_vector_group_overflow_across_heads() {
+    let s = QuantScheme::new(1, Axis::PerToken, Group::Vector)
+        .unwrap()
+        .with_mode(Mode::Asymmetric)
+        .unwrap();
+    let (n_kv, hd) = (2, 64);
+    let mut row = vec![-40000f32; hd];
+    row.extend(vec![40000f32; hd]);
+    let q = UniformQuantizer::new(s, n_kv, hd).unwrap();
+    assert!(matches!(
+        q.quantize(&row, 1),
+        Err(Error::ScaleOverflow { .. })
+    ));
+    for b in backends() {
+        let cfg = kvq::CacheConfig::new(n_kv, hd).keys(s).values(s).backend(b);
+        let mut cache = kvq::LayerCache::new(cfg).unwrap();
+        let ok = vec![0.5f32; n_kv * hd];
+        cache.append(&ok, &ok).unwrap();
+        let before = cache.clone();
+        assert!(matches!(
+            cache.append(&row, &ok),
+            Err(Error::ScaleOverflow { op: "append", .. })
+        ));
+        assert!(cache == before);
+    }
+}
+
+/// `residual(usize::MAX)` keeps every token exact; no sum may wrap.
+#[test]
+fn residual_of_usize_max_keeps_everything_exact() {
+    let (n_kv, hd) = (2, 64);
+    let (k, v) = kvq::presets::kivi(4).unwrap();
+    let cfg = kvq::CacheConfig::new(n_kv, hd)
+        .keys(k)
+        .values(v)
+        .residual(usize::MAX);
+    let mut cache = kvq::LayerCache::new(cfg).unwrap();
+    let mut rng = Rng::new(9);
+    let x = rng.vec(70 * n_kv * hd);
+    cache.extend(&x, &x).unwrap();
+    for _ in 0..3 {
+        let r = rng.vec(n_kv * hd);
+        cache.append(&r, &r).unwrap();
+    }
+    assert_eq!(cache.packed_len(), (0, 0));
+    assert_eq!(&cache.keys_f32()[..x.len()], &x[..]);
+}

@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use kvq::{Axis, Group, QuantScheme};
+use kvq::{Axis, Codec, Group, QuantScheme, Rotation};
 use serde::Serialize;
 
 use crate::capture::Capture;
@@ -126,8 +126,14 @@ pub fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
             values: v,
             residual,
             sinks,
+            rotation: Rotation::None,
             int8: false,
         },
+    };
+    let rotated = |mut c: Config| {
+        c.name = format!("H·{}", c.name);
+        c.spec.rotation = Rotation::Hadamard;
+        c
     };
     let pt = |b, g| s(b, Axis::PerToken, g);
     let pc = |b, g| s(b, Axis::PerChannel, g);
@@ -169,6 +175,14 @@ pub fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
             Some(pc(3, g32)),
             Some(pt(3, g32)),
         ));
+        // The randomized Hadamard rotation around per-token grids.
+        for b in [4u8, 3] {
+            g.push(rotated(mk(
+                format!("K{b}/V{b} pt32"),
+                Some(pt(b, g32)),
+                Some(pt(b, g32)),
+            )));
+        }
         return g;
     }
     for kb in [2u8, 3, 4, 6, 8] {
@@ -426,21 +440,20 @@ pub fn attention_kl(
     hd: usize,
 ) -> Result<f64, BoxError> {
     use kvq::metrics::{layer_errors, AttnShape, MetricsConfig};
-    use kvq::{KvQuantizer, UniformQuantizer};
     if spec.keys.is_none() && spec.values.is_none() {
         return Ok(0.0);
     }
     let shape = AttnShape::new(n_q, n_kv, hd)?;
     let cfg = MetricsConfig::new().with_causal(0);
-    let hat = |x: &[f32], s: Option<QuantScheme>| -> Result<Vec<f32>, kvq::Error> {
-        match s {
+    let hat = |x: &[f32], c: Option<Codec>| -> Result<Vec<f32>, kvq::Error> {
+        match c {
             None => Ok(x.to_vec()),
-            Some(s) => UniformQuantizer::new(s, n_kv, hd)?.roundtrip(x, x.len() / (n_kv * hd)),
+            Some(c) => c.roundtrip(x, n_kv, hd),
         }
     };
     let mut total = 0.0;
     for l in &cap.layers {
-        let (kh, vh) = (hat(&l.k, spec.keys)?, hat(&l.v, spec.values)?);
+        let (kh, vh) = (hat(&l.k, spec.key_codec())?, hat(&l.v, spec.value_codec())?);
         total += layer_errors(shape, l.q.as_slice(), &l.k, &l.v, &kh, &vh, &cfg)?
             .summary
             .mean

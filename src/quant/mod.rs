@@ -48,6 +48,12 @@ use crate::store::PackedBlock;
 use crate::views::{check_tail, contiguous};
 use ndarray::{Array3, ArrayView3};
 
+pub mod codec;
+pub mod rotation;
+
+pub use codec::{Codec, KvCodec, Pending, Rotated, Rotation, UniformCodec};
+pub use rotation::Hadamard;
+
 /// A quantizer of K or V blocks `[tokens, n_kv_heads, head_dim]`.
 ///
 /// One trait for every kind of quantizer (uniform integer today; rotations,
