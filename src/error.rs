@@ -27,6 +27,15 @@ pub enum Error {
         what: String,
     },
 
+    /// A configuration value is invalid (e.g. a non-finite softmax scale).
+    #[error("{op}: {what}")]
+    InvalidConfig {
+        /// The operation that checked it.
+        op: &'static str,
+        /// What is wrong.
+        what: String,
+    },
+
     /// A shape parameter (heads, head dimension, window…) is invalid.
     #[error("{op}: {what}")]
     InvalidShape {

@@ -270,9 +270,11 @@ impl QuantScheme {
             });
         }
         match (axis, group) {
-            (_, Group::Size(n)) if n == 0 || !n.is_multiple_of(8) => {
+            (_, Group::Size(n)) if n == 0 || !n.is_multiple_of(8) || u32::try_from(n).is_err() => {
                 return Err(Error::InvalidScheme {
-                    what: format!("group size must be a positive multiple of 8, got {n}"),
+                    what: format!(
+                        "group size must be a positive multiple of 8 below 2^32, got {n}"
+                    ),
                 })
             }
             (Axis::PerChannel, Group::Head | Group::Vector) => {
@@ -617,6 +619,18 @@ pub(crate) fn check_shape(op: &'static str, n_kv_heads: usize, head_dim: usize) 
         return Err(Error::InvalidShape {
             op,
             what: format!("head_dim must be a positive multiple of 8, got {head_dim}"),
+        });
+    }
+    // A token's row of f32 must be addressable, and each count fits the
+    // serialized header's 32 bits.
+    let row_bytes = n_kv_heads
+        .checked_mul(head_dim)
+        .and_then(|w| w.checked_mul(4));
+    if row_bytes.is_none() || u32::try_from(n_kv_heads).is_err() || u32::try_from(head_dim).is_err()
+    {
+        return Err(Error::InvalidShape {
+            op,
+            what: format!("{n_kv_heads} heads of {head_dim} channels do not fit"),
         });
     }
     Ok(())

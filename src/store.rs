@@ -369,7 +369,19 @@ impl Header {
 }
 
 /// `tokens` tokens of `layout` have a size that fits in `usize`.
-fn check_fits(op: &'static str, l: &Layout, tokens: usize) -> Result<()> {
+/// That a block of `tokens` tokens fits in memory and in the serialized
+/// header (32-bit token count).
+pub(crate) fn check_fits(op: &'static str, l: &Layout, tokens: usize) -> Result<()> {
+    if u32::try_from(tokens).is_err() {
+        return Err(Error::InvalidShape {
+            op,
+            what: format!(
+                "{tokens} tokens of {}x{}: a block holds at most 2^32 − 1 (its header counts them in 32 bits)",
+                l.n_kv_heads(),
+                l.head_dim()
+            ),
+        });
+    }
     match l.checked_bytes(tokens) {
         Some(_) => Ok(()),
         None => Err(Error::InvalidShape {

@@ -98,7 +98,8 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             values: Some(v4),
             residual: 0,
             sinks: 0,
-            rotation: kvq::Rotation::None,
+            key_rotation: kvq::Rotation::None,
+            value_rotation: kvq::Rotation::None,
             int8: false,
         };
         let mut store = KvqStore::new(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, spec).unwrap();

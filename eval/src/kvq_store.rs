@@ -17,8 +17,10 @@ pub struct CacheSpec {
     pub residual: usize,
     /// Attention-sink tokens kept exact.
     pub sinks: usize,
-    /// The rotation around both schemes ([`Codec::with_rotation`]).
-    pub rotation: Rotation,
+    /// The rotation around the key scheme ([`Codec::with_rotation`]).
+    pub key_rotation: Rotation,
+    /// The rotation around the value scheme.
+    pub value_rotation: Rotation,
     /// Attention through the opt-in int8 kernels
     /// ([`CacheConfig::int8_kernels`]).
     pub int8: bool,
@@ -31,20 +33,21 @@ impl CacheSpec {
         values: None,
         residual: 0,
         sinks: 0,
-        rotation: Rotation::None,
+        key_rotation: Rotation::None,
+        value_rotation: Rotation::None,
         int8: false,
     };
 
     /// The key codec (`None`: full precision).
     pub fn key_codec(&self) -> Option<Codec> {
         self.keys
-            .map(|s| Codec::uniform(s).with_rotation(self.rotation))
+            .map(|s| Codec::uniform(s).with_rotation(self.key_rotation))
     }
 
     /// The value codec (`None`: full precision).
     pub fn value_codec(&self) -> Option<Codec> {
         self.values
-            .map(|s| Codec::uniform(s).with_rotation(self.rotation))
+            .map(|s| Codec::uniform(s).with_rotation(self.value_rotation))
     }
 }
 

@@ -58,7 +58,9 @@ pub(super) fn lcm(a: usize, b: usize) -> usize {
             gcd(b, a % b)
         }
     }
-    a / gcd(a, b) * b
+    // A product that overflows means no common boundary short of the
+    // end: `usize::MAX` (the split then keeps everything in one chunk).
+    (a / gcd(a, b)).checked_mul(b).unwrap_or(usize::MAX)
 }
 
 /// A run of positions of one tensor and where they are stored.

@@ -76,7 +76,8 @@ impl CacheConfig {
         self.sinks = tokens;
         self
     }
-    /// Multiply logits by `scale` before the softmax (default `1/√head_dim`).
+    /// Multiply logits by `scale` before the softmax (default `1/√head_dim`;
+    /// [`LayerCache::new`] rejects a non-finite one).
     pub fn softmax_scale(mut self, scale: f32) -> Self {
         self.softmax_scale = Some(scale);
         self

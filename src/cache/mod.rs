@@ -134,6 +134,12 @@ impl LayerCache {
     /// not fit `head_dim` (see [`QuantScheme::layout`]).
     pub fn new(cfg: CacheConfig) -> Result<Self> {
         check_shape("LayerCache::new", cfg.n_kv_heads, cfg.head_dim)?;
+        if let Some(s) = cfg.softmax_scale.filter(|s| !s.is_finite()) {
+            return Err(Error::InvalidConfig {
+                op: "LayerCache::new",
+                what: format!("softmax_scale must be finite, got {s}"),
+            });
+        }
         let build = |c: Option<Codec>| {
             c.map(|c| {
                 c.with_int8_kernels(c.int8_kernels() || cfg.int8)
@@ -548,7 +554,12 @@ impl LayerCache {
         let op = "attend";
         let r = self.check_heads(op, n_q_heads)?;
         let hd = self.cfg.head_dim;
-        let qw = n_q_heads * hd;
+        let qw = n_q_heads
+            .checked_mul(hd)
+            .ok_or_else(|| Error::InvalidShape {
+                op,
+                what: format!("{n_q_heads} query heads of {hd} channels do not fit"),
+            })?;
         if q.is_empty() || !q.len().is_multiple_of(qw) {
             return Err(Error::Length {
                 op,

@@ -208,7 +208,14 @@ impl UniformQuantizer {
     ) -> Result<PackedBlock> {
         let l = &self.layout;
         let width = l.n_kv_heads() * l.head_dim();
-        check_len("quantize", "values", tokens * width, x.len())?;
+        crate::store::check_fits("quantize", l, tokens)?;
+        let want = tokens
+            .checked_mul(width)
+            .ok_or_else(|| Error::InvalidShape {
+                op: "quantize",
+                what: format!("{tokens} tokens of {width} values do not fit in memory"),
+            })?;
+        check_len("quantize", "values", want, x.len())?;
         let mut buf = Vec::new();
         let xf = as_f32(x, &mut buf);
         // Finiteness is checked while each group's or block's min/max is

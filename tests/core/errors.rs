@@ -415,3 +415,45 @@ fn residual_of_usize_max_keeps_everything_exact() {
     assert_eq!(cache.packed_len(), (0, 0));
     assert_eq!(&cache.keys_f32()[..x.len()], &x[..]);
 }
+
+/// Sizes computed from caller input that do not fit are errors, before
+/// anything is allocated.
+#[test]
+fn errors_sizes_that_do_not_fit() {
+    use kvq::{CacheConfig, LayerCache};
+    let s = QuantScheme::new(4, Axis::PerToken, Group::Size(32)).unwrap();
+    // Heads × channels beyond the address space.
+    for (n_kv, hd) in [(usize::MAX / 8, 64), (1 << 40, 1 << 30), (2, 1 << 62)] {
+        assert!(
+            matches!(s.layout(n_kv, hd), Err(Error::InvalidShape { .. })),
+            "{n_kv}x{hd}"
+        );
+        assert!(LayerCache::new(CacheConfig::new(n_kv, hd)).is_err());
+    }
+    // A group size the header cannot hold.
+    assert!(QuantScheme::new(4, Axis::PerChannel, Group::Size(1 << 33)).is_err());
+    // tokens·width overflowing, and more tokens than a header counts.
+    let q = UniformQuantizer::new(s, 2, 64).unwrap();
+    for tokens in [usize::MAX / 64, 1 << 33] {
+        assert!(matches!(
+            q.quantize(&[0f32; 128], tokens),
+            Err(Error::InvalidShape { .. })
+        ));
+    }
+    // A non-finite softmax scale.
+    for bad in [f32::NAN, f32::INFINITY] {
+        let cfg = CacheConfig::new(1, 64).softmax_scale(bad);
+        assert!(matches!(
+            LayerCache::new(cfg),
+            Err(Error::InvalidConfig { .. })
+        ));
+    }
+    // Query heads × channels overflowing.
+    let mut cache = LayerCache::new(CacheConfig::new(1, 64)).unwrap();
+    cache.append(&[0f32; 64], &[0f32; 64]).unwrap();
+    let mut out = [0f32; 64];
+    assert!(matches!(
+        cache.attend(&[0f32; 64], usize::MAX / 2, &mut out),
+        Err(Error::InvalidShape { .. })
+    ));
+}

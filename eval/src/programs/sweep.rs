@@ -126,13 +126,21 @@ pub fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
             values: v,
             residual,
             sinks,
-            rotation: Rotation::None,
+            key_rotation: Rotation::None,
+            value_rotation: Rotation::None,
             int8: false,
         },
     };
     let rotated = |mut c: Config| {
         c.name = format!("H·{}", c.name);
-        c.spec.rotation = Rotation::Hadamard;
+        c.spec.key_rotation = Rotation::Hadamard;
+        c.spec.value_rotation = Rotation::Hadamard;
+        c
+    };
+    // Per-channel keys as they are, rotated per-token values.
+    let rotated_values = |mut c: Config| {
+        c.name = format!("{} H·V", c.name);
+        c.spec.value_rotation = Rotation::Hadamard;
         c
     };
     let pt = |b, g| s(b, Axis::PerToken, g);
@@ -180,6 +188,11 @@ pub fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
             g.push(rotated(mk(
                 format!("K{b}/V{b} pt32"),
                 Some(pt(b, g32)),
+                Some(pt(b, g32)),
+            )));
+            g.push(rotated_values(mk(
+                format!("K{b}/V{b} KIVI pc32/pt32"),
+                Some(pc(b, g32)),
                 Some(pt(b, g32)),
             )));
         }
