@@ -60,7 +60,7 @@ pub(super) fn lcm(a: usize, b: usize) -> usize {
     }
     // A product that overflows means no common boundary short of the
     // end: `usize::MAX` (the split then keeps everything in one chunk).
-    (a / gcd(a, b)).checked_mul(b).unwrap_or(usize::MAX)
+    (a / gcd(a, b)).saturating_mul(b)
 }
 
 /// A run of positions of one tensor and where they are stored.
