@@ -106,7 +106,7 @@ pub use kernels::Backend;
 pub use metrics::{AttentionErrors, MetricsConfig};
 pub use plan::{MemoryModel, Planner};
 pub use quant::{Codec, Hadamard, KvCodec, KvQuantizer, Rotation, UniformQuantizer};
-pub use scheme::{presets, Axis, Group, Layout, Mode, QuantScheme, ScaleFormat};
+pub use scheme::{presets, Axis, Group, Layout, Mode, QuantScheme, Rounding, ScaleFormat};
 pub use store::{PackedBlock, PackedHead};
 
 /// The code blocks of `docs/INTEGRATION.md`, compiled and run as doctests.

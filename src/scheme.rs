@@ -38,6 +38,26 @@ pub enum Group {
     Vector,
 }
 
+/// How a group's params and codes are chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Rounding {
+    /// kvq's grid: the scale rounded *up* and the zero *down* into the
+    /// scale format, so every element lies inside the grid (error at most
+    /// half a step); codes are the nearest grid point.
+    #[default]
+    Grid,
+    /// llama.cpp's reference quantizer (`quantize_row_q*_ref` in
+    /// `ggml-quants.c`), value for value: symmetric 4/5-bit `d = m/−2^(b−1)`
+    /// with `m` the group's first element of largest magnitude (so `d` may
+    /// be negative and the levels are `−2^(b−1) … 2^(b−1)−1`), symmetric
+    /// 8-bit `d = absmax/127` with codes rounded half away from zero,
+    /// asymmetric `d = (max − min)/(2^b − 1)` and `m = min`; the codes are
+    /// computed with the unrounded `1/d`, and `d` and `m` are stored rounded
+    /// to the nearest f16. Only the five ggml block types: per-token groups
+    /// of 32, f16 scales, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `q8_0`.
+    Ggml,
+}
+
 /// Symmetric or asymmetric quantization.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Mode {
@@ -253,6 +273,7 @@ pub struct QuantScheme {
     group: Group,
     mode: Mode,
     scale_format: ScaleFormat,
+    rounding: Rounding,
 }
 
 impl QuantScheme {
@@ -292,6 +313,7 @@ impl QuantScheme {
             group,
             mode: Mode::Asymmetric,
             scale_format: ScaleFormat::F16,
+            rounding: Rounding::Grid,
         })
     }
 
@@ -307,13 +329,59 @@ impl QuantScheme {
             });
         }
         self.mode = mode;
+        self.check_rounding()?;
         Ok(self)
     }
 
     /// The same scheme with scales (and zeros) stored in `format`.
+    ///
+    /// ggml's blocks store f16 scales: a [`Rounding::Ggml`] scheme given
+    /// another format becomes [`Rounding::Grid`].
     pub fn with_scale_format(mut self, format: ScaleFormat) -> Self {
         self.scale_format = format;
+        if format != ScaleFormat::F16 {
+            self.rounding = Rounding::Grid;
+        }
         self
+    }
+
+    /// The same scheme with another [`Rounding`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidScheme`] for [`Rounding::Ggml`] on a scheme that is
+    /// not one of ggml's block types (see [`Rounding::Ggml`]).
+    pub fn with_rounding(mut self, rounding: Rounding) -> Result<Self> {
+        self.rounding = rounding;
+        self.check_rounding()?;
+        Ok(self)
+    }
+
+    fn check_rounding(&self) -> Result<()> {
+        if self.rounding == Rounding::Grid {
+            return Ok(());
+        }
+        let ggml_type = matches!(
+            (self.bits, self.mode),
+            (4 | 5 | 8, Mode::Symmetric) | (4 | 5, Mode::Asymmetric)
+        );
+        if !ggml_type
+            || self.axis != Axis::PerToken
+            || self.group != Group::Size(32)
+            || self.scale_format != ScaleFormat::F16
+        {
+            return Err(Error::InvalidScheme {
+                what: format!(
+                    "ggml rounding needs a ggml block type (q4_0, q4_1, q5_0, q5_1, q8_0: per-token groups of 32, f16 scales), not {}",
+                    self.label()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// How params and codes are chosen.
+    pub fn rounding(&self) -> Rounding {
+        self.rounding
     }
 
     /// Bits per code, `1..=8`.
@@ -363,8 +431,12 @@ impl QuantScheme {
             Mode::Asymmetric => "asym",
             Mode::Symmetric => "sym",
         };
+        let ggml = match self.rounding {
+            Rounding::Grid => "",
+            Rounding::Ggml => "-ggml",
+        };
         format!(
-            "{}b-{axis}{group}-{mode}-{}",
+            "{}b-{axis}{group}-{mode}-{}{ggml}",
             self.bits,
             self.scale_format.name()
         )
@@ -397,6 +469,11 @@ pub mod presets {
             .and_then(|q| q.with_mode(mode))
             .expect("preset schemes are valid")
     }
+    fn ggml(bits: u8, mode: Mode) -> QuantScheme {
+        s(bits, Axis::PerToken, Group::Size(32), mode)
+            .with_rounding(Rounding::Ggml)
+            .expect("ggml block types")
+    }
 
     /// KIVI (2 or 4 bits): keys per-channel in blocks of 32 tokens, values
     /// per-token in groups of 32 channels, f16 scale and zero. Returns
@@ -411,24 +488,39 @@ pub mod presets {
         ))
     }
     /// llama.cpp `q8_0`: symmetric 8-bit, f16 scale per 32 (8.5 bits).
+    ///
+    /// ggml's own quantizer ([`Rounding::Ggml`]): the same values llama.cpp
+    /// stores for this type.
     pub fn q8_0() -> QuantScheme {
-        s(8, Axis::PerToken, Group::Size(32), Mode::Symmetric)
+        ggml(8, Mode::Symmetric)
     }
     /// llama.cpp `q4_0`: symmetric 4-bit, f16 scale per 32 (4.5 bits).
+    ///
+    /// ggml's own quantizer ([`Rounding::Ggml`]): the same values llama.cpp
+    /// stores for this type.
     pub fn q4_0() -> QuantScheme {
-        s(4, Axis::PerToken, Group::Size(32), Mode::Symmetric)
+        ggml(4, Mode::Symmetric)
     }
     /// llama.cpp `q4_1`: asymmetric 4-bit, f16 scale and min per 32 (5 bits).
+    ///
+    /// ggml's own quantizer ([`Rounding::Ggml`]): the same values llama.cpp
+    /// stores for this type.
     pub fn q4_1() -> QuantScheme {
-        s(4, Axis::PerToken, Group::Size(32), Mode::Asymmetric)
+        ggml(4, Mode::Asymmetric)
     }
     /// llama.cpp `q5_0`: symmetric 5-bit, f16 scale per 32 (5.5 bits).
+    ///
+    /// ggml's own quantizer ([`Rounding::Ggml`]): the same values llama.cpp
+    /// stores for this type.
     pub fn q5_0() -> QuantScheme {
-        s(5, Axis::PerToken, Group::Size(32), Mode::Symmetric)
+        ggml(5, Mode::Symmetric)
     }
     /// llama.cpp `q5_1`: asymmetric 5-bit, f16 scale and min per 32 (6 bits).
+    ///
+    /// ggml's own quantizer ([`Rounding::Ggml`]): the same values llama.cpp
+    /// stores for this type.
     pub fn q5_1() -> QuantScheme {
-        s(5, Axis::PerToken, Group::Size(32), Mode::Asymmetric)
+        ggml(5, Mode::Asymmetric)
     }
     /// HF quanto `int4` as used by transformers' `QuantizedCache`: asymmetric
     /// 4-bit, groups of 64 channels per token.

@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::pack;
-use crate::scheme::{Axis, Group, Layout, Mode, QuantScheme, ScaleFormat};
+use crate::scheme::{Axis, Group, Layout, Mode, QuantScheme, Rounding, ScaleFormat};
 use ndarray::Array3;
 
 /// A quantized block `[tokens, n_kv_heads, head_dim]`, stored head-major.
@@ -252,10 +252,17 @@ impl PackedBlock {
             2 => ScaleFormat::F32,
             x => return Err(bad(format!("scale format byte {x}"))),
         };
+        let rounding = match h.reserved0[0] {
+            0 => Rounding::Grid,
+            1 => Rounding::Ggml,
+            x => return Err(bad(format!("rounding byte {x}"))),
+        };
         let scheme = QuantScheme::new(bits, axis, group)
             .and_then(|s| s.with_mode(mode))
             .map_err(|e| bad(e.to_string()))?
-            .with_scale_format(fmt);
+            .with_scale_format(fmt)
+            .with_rounding(rounding)
+            .map_err(|e| bad(e.to_string()))?;
         let (nh, hd, tokens) = (u32_le(h.n_kv_heads), u32_le(h.head_dim), u32_le(h.tokens));
         let layout = scheme.layout(nh, hd).map_err(|e| bad(e.to_string()))?;
         let need = layout
@@ -358,7 +365,13 @@ impl Header {
                 ScaleFormat::Bf16 => 1,
                 ScaleFormat::F32 => 2,
             },
-            reserved0: [0; 2],
+            reserved0: [
+                match s.rounding() {
+                    Rounding::Grid => 0,
+                    Rounding::Ggml => 1,
+                },
+                0,
+            ],
             group_size: le(group_size),
             n_kv_heads: le(l.n_kv_heads()),
             head_dim: le(l.head_dim()),
@@ -409,7 +422,9 @@ fn validate_params(op: &'static str, l: &Layout, params: &[u8]) -> Result<()> {
         for i in 0..chunk.len() / fb {
             let v = fmt.read(&chunk[i * fb..]);
             let is_scale = i < n;
-            if !v.is_finite() || (is_scale && v < 0.0) {
+            // ggml's symmetric `d = m/−2^(b−1)` is negative when `m` is.
+            let neg_ok = s.rounding() == Rounding::Ggml;
+            if !v.is_finite() || (is_scale && v < 0.0 && !neg_ok) {
                 return Err(Error::Malformed {
                     op,
                     what: format!(

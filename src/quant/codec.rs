@@ -153,7 +153,7 @@ pub enum Rotation {
 /// use kvq::{presets, Codec};
 /// let (_, values) = presets::kivi(4)?;
 /// let c = Codec::hadamard(values);
-/// assert_eq!(c.label(), "H·V4 pt32");
+/// assert_eq!(c.label(), "H·4b-pt32-asym-f16");
 /// let built = c.build(8, 128)?;
 /// assert_eq!(built.spec(), c);
 /// # Ok::<(), kvq::Error>(())

@@ -41,7 +41,7 @@
 
 use crate::element::{as_f32, Element};
 use crate::error::{Error, Result};
-use crate::scheme::{Axis, Layout, Mode, QuantScheme, ScaleFormat};
+use crate::scheme::{Axis, Layout, Mode, QuantScheme, Rounding, ScaleFormat};
 use crate::simd::Backend;
 use crate::simd::Kernel;
 use crate::store::PackedBlock;
@@ -340,6 +340,13 @@ pub(crate) fn group_params(
 ) -> std::result::Result<(f32, f32), (&'static str, f32)> {
     let fmt = scheme.scale_format();
     let bits = scheme.bits() as i32;
+    if scheme.rounding() == Rounding::Ggml {
+        // Whether a group overflows depends on magnitudes only, so the
+        // larger-magnitude end stands for ggml's first element of largest
+        // magnitude.
+        let m = if max.abs() >= min.abs() { max } else { min };
+        return ggml_params(scheme, min, max, m).map(|p| (p.0, p.1));
+    }
     match scheme.mode() {
         Mode::Asymmetric => {
             let zero = fmt.round_down(min as f64);
@@ -366,6 +373,118 @@ pub(crate) fn group_params(
             Ok((scale, zero))
         }
     }
+}
+
+/// ggml's params of a group with range `min..=max` and first element of
+/// largest magnitude `m` ([`Rounding::Ggml`]): `(scale, zero)` as stored
+/// (nearest f16) and the unrounded `d` the codes are computed with.
+pub(crate) fn ggml_params(
+    s: &QuantScheme,
+    min: f32,
+    max: f32,
+    m: f32,
+) -> std::result::Result<(f32, f32, f32), (&'static str, f32)> {
+    let nearest = |v: f32| half::f16::from_f32(v).to_f32();
+    let b = s.bits() as u32;
+    let d = match (s.mode(), b) {
+        (Mode::Symmetric, 8) => m.abs() / 127.0,
+        (Mode::Symmetric, _) => m / -((1u32 << (b - 1)) as f32),
+        (Mode::Asymmetric, _) => (max - min) / ((1u32 << b) - 1) as f32,
+    };
+    let sc = nearest(d);
+    if !sc.is_finite() {
+        return Err(("scale", d));
+    }
+    let zero = match s.mode() {
+        Mode::Symmetric => -sc * (1u32 << (b - 1)) as f32,
+        Mode::Asymmetric => nearest(min),
+    };
+    if !zero.is_finite() {
+        return Err(("zero", min));
+    }
+    Ok((sc, zero, d))
+}
+
+/// One group quantized as ggml's reference quantizer does
+/// ([`Rounding::Ggml`]): codes into `out`, `(scale, zero)` as stored.
+fn ggml_group(
+    s: &QuantScheme,
+    xs: &[f32],
+    out: &mut [u8],
+) -> std::result::Result<(f32, f32), (&'static str, f32)> {
+    let b = s.bits() as u32;
+    let top = ((1u32 << b) - 1) as i32;
+    // ggml's scans: the first element of largest magnitude, and min/max
+    // from ±FLT_MAX.
+    let (mut amax, mut m) = (0f32, 0f32);
+    let (mut lo, mut hi) = (f32::MAX, -f32::MAX);
+    for &v in xs {
+        if amax < v.abs() {
+            amax = v.abs();
+            m = v;
+        }
+        lo = if v < lo { v } else { lo };
+        hi = if v > hi { v } else { hi };
+    }
+    let (sc, zero, d) = ggml_params(s, lo, hi, m)?;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    match (s.mode(), b) {
+        (Mode::Symmetric, 8) => {
+            for (c, &v) in out.iter_mut().zip(xs) {
+                *c = ((v * id).round() as i32 + 128) as u8;
+            }
+        }
+        (Mode::Symmetric, _) => {
+            let bias = (1u32 << (b - 1)) as f32 + 0.5;
+            for (c, &v) in out.iter_mut().zip(xs) {
+                *c = ((v * id + bias) as i8 as i32).min(top) as u8;
+            }
+        }
+        (Mode::Asymmetric, _) => {
+            for (c, &v) in out.iter_mut().zip(xs) {
+                *c = (((v - lo) * id + 0.5) as i8 as i32).min(top) as u8;
+            }
+        }
+    }
+    Ok((sc, zero))
+}
+
+/// [`quantize_token_generic`] for [`Rounding::Ggml`] schemes (per-token
+/// groups of 32, f16 params): ggml's scalar reference loops, group by group.
+fn ggml_token(
+    l: &Layout,
+    x: &[f32],
+    token: usize,
+    codes: &mut [u8],
+    params: &mut [u8],
+) -> Result<()> {
+    if !x.iter().all(|v| v.is_finite()) {
+        return Err(nonfinite(l, x, token));
+    }
+    let s = l.scheme();
+    let fmt = s.scale_format();
+    let (hd, gl, gpr, rb) = (
+        l.head_dim(),
+        l.group_len(),
+        l.groups_per_row(),
+        l.row_bytes(),
+    );
+    let pb = s.param_bytes();
+    let mut tmp = vec![0u8; hd];
+    for h in 0..l.n_kv_heads() {
+        let ph = &mut params[h * gpr * pb..][..gpr * pb];
+        for g in 0..gpr {
+            let xs = &x[h * hd + g * gl..][..gl];
+            let (sc, zero) = ggml_group(s, xs, &mut tmp[g * gl..(g + 1) * gl])
+                .map_err(|(what, value)| overflow(fmt, what, value, token, h, g))?;
+            fmt.write(sc, &mut ph[g * 2..]);
+            if s.mode() == Mode::Asymmetric {
+                fmt.write(zero, &mut ph[(gpr + g) * 2..]);
+            }
+        }
+        crate::pack::pack(&tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
+    }
+    Ok(())
 }
 
 /// The code of `x` given stored `(scale, zero)`: nearest grid point
@@ -621,6 +740,9 @@ pub(crate) fn quantize_token_generic<O: QuantOps>(
     params: &mut [u8],
 ) -> Result<()> {
     let s = l.scheme();
+    if s.rounding() == Rounding::Ggml {
+        return ggml_token(l, x, token, codes, params);
+    }
     let fmt = s.scale_format();
     let fb = fmt.bytes();
     let hd = l.head_dim();

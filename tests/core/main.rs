@@ -23,6 +23,7 @@ mod accounting;
 mod budget;
 mod errors;
 mod fused;
+mod ggml;
 mod helpers;
 mod packing;
 mod serialized;

@@ -183,6 +183,11 @@ pub fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
             Some(pc(3, g32)),
             Some(pt(3, g32)),
         ));
+        // llama.cpp's q4_0 cache type, value for value, plain and rotated
+        // (llama.cpp rotates its quantized caches by default).
+        let q4_0 = kvq::presets::q4_0();
+        g.push(mk("K/V q4_0".into(), Some(q4_0), Some(q4_0)));
+        g.push(rotated(mk("K/V q4_0".into(), Some(q4_0), Some(q4_0))));
         // The randomized Hadamard rotation around per-token grids.
         for b in [4u8, 3] {
             g.push(rotated(mk(
