@@ -38,6 +38,11 @@
 //! than a long one (which biases the per-round ratios against the faster
 //! kernel).
 //!
+//! Beside the kernel loop, the `cache …` cases call `LayerCache::attend`
+//! on a cache built by `extend` (what an engine calls; its own two threads
+//! across heads), KIVI-4 without and with a residual window and sinks, and
+//! rotated 4-bit per-token K/V.
+//!
 //! Same shape as criterion's `attend/hd128/q{N}`: 8 KV heads, head_dim
 //! 128, two threads across heads, each case's layer copied until the
 //! copies add up to 1 GiB and rotated, so every call streams from DRAM.
@@ -46,7 +51,9 @@
 
 mod common;
 
-use common::{attend_threads, bytes_of, cold_copies, data, layer_cases, Layer, N_KV, THREADS};
+use common::{
+    attend_threads, bytes_of, cache_cases, cold_copies, data, layer_cases, Layer, N_KV, THREADS,
+};
 use kvq::Backend;
 use std::hint::black_box;
 use std::time::Instant;
@@ -108,6 +115,7 @@ fn main() {
         let vx = data(ctx * N_KV * hd, 12);
         let cases: Vec<(String, Vec<Layer>)> = layer_cases(be, hd, ctx, &kx, &vx)
             .into_iter()
+            .chain(cache_cases(be, hd, &kx, &vx))
             .filter(|(name, _)| keep(name))
             .map(|(name, make)| {
                 let layers = if resident {

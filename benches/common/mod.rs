@@ -8,7 +8,10 @@
 
 use half::f16;
 use kvq::kernels::{self, dense};
-use kvq::{Axis, Backend, Group, KvQuantizer, PackedBlock, QuantScheme, UniformQuantizer};
+use kvq::{
+    Axis, Backend, CacheConfig, Group, KvQuantizer, LayerCache, PackedBlock, QuantScheme,
+    UniformQuantizer,
+};
 
 /// Deterministic pseudo-random values in `[-1, 1)`.
 pub fn data(n: usize, seed: u64) -> Vec<f32> {
@@ -61,6 +64,9 @@ pub enum Layer {
         k: Vec<Vec<f32>>,
         v: Vec<Vec<f32>>,
     },
+    /// The public cache, attended through `LayerCache::attend` (its own
+    /// threads across heads).
+    Cache(Box<LayerCache>),
     /// The roofline: as many bytes as the f16 layer, only read (summed as
     /// integers), no arithmetic to speak of.
     Read {
@@ -91,6 +97,7 @@ impl Layer {
             Layer::F16 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 2,
             Layer::F32 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 4,
             Layer::Read { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 8,
+            Layer::Cache(c) => c.bytes().total(),
         }
     }
 
@@ -111,6 +118,10 @@ impl Layer {
             out[0] = (read_sum(&k[h]) ^ read_sum(&v[h])) as f32;
             return;
         }
+        assert!(
+            !matches!(self, Layer::Cache(_)),
+            "a cache attends all heads at once"
+        );
         match self {
             Layer::Packed { k, i8q: false, .. } => {
                 kernels::scores_on(be, &k.head(h), q, s).unwrap()
@@ -120,7 +131,7 @@ impl Layer {
             }
             Layer::F16 { k, .. } => dense::scores_f16_on(be, hd, &k[h], q, s).unwrap(),
             Layer::F32 { k, .. } => dense::scores_f32_on(be, hd, &k[h], q, s).unwrap(),
-            Layer::Read { .. } => unreachable!(),
+            Layer::Read { .. } | Layer::Cache(_) => unreachable!(),
         }
         for row in s.chunks_mut(ctx) {
             kernels::softmax_on(be, row);
@@ -135,7 +146,7 @@ impl Layer {
             }
             Layer::F16 { v, .. } => dense::weighted_sum_f16_on(be, hd, &v[h], s, out).unwrap(),
             Layer::F32 { v, .. } => dense::weighted_sum_f32_on(be, hd, &v[h], s, out).unwrap(),
-            Layer::Read { .. } => unreachable!(),
+            Layer::Read { .. } | Layer::Cache(_) => unreachable!(),
         }
     }
 }
@@ -160,6 +171,11 @@ pub fn attend_threads(
         threads > 0 && N_KV.is_multiple_of(threads),
         "threads must divide the {N_KV} KV heads"
     );
+    if let Layer::Cache(c) = layer {
+        // Its threads were fixed when it was built.
+        c.attend(q, q.len() / hd, out).unwrap();
+        return;
+    }
     let per = q.len() / N_KV; // nq·hd per KV head
     let nq = per / hd;
     std::thread::scope(|sc| {
@@ -298,6 +314,43 @@ pub fn layer_cases<'a>(
         ));
     }
     cases
+}
+
+/// The cases through the public cache (built by `extend`, two threads):
+/// `cache 4b-kivi32` (KIVI-4, residual 0), `cache 4b-kivi32-r128s4`
+/// (residual window 128, 4 sinks) and `cache 4b-H-pt32` (K and V per-token
+/// 4-bit groups of 32 behind the Hadamard rotation). `kx`/`vx` are
+/// `[ctx, N_KV, hd]`.
+pub fn cache_cases<'a>(
+    be: Backend,
+    hd: usize,
+    kx: &'a [f32],
+    vx: &'a [f32],
+) -> Vec<(String, Make<'a>)> {
+    let base = move || CacheConfig::new(N_KV, hd).backend(be).threads(THREADS);
+    let build = move |cfg: CacheConfig| {
+        let mut c = LayerCache::new(cfg).unwrap();
+        c.extend(kx, vx).unwrap();
+        Layer::Cache(Box::new(c))
+    };
+    let (pc, pt) = (scheme(4, Axis::PerChannel), scheme(4, Axis::PerToken));
+    vec![
+        (
+            "cache 4b-kivi32".into(),
+            Box::new(move || build(base().keys(pc).values(pt))) as Make<'a>,
+        ),
+        (
+            "cache 4b-kivi32-r128s4".into(),
+            Box::new(move || build(base().keys(pc).values(pt).residual(128).sinks(4))),
+        ),
+        (
+            "cache 4b-H-pt32".into(),
+            Box::new(move || {
+                let h = kvq::Codec::hadamard(pt);
+                build(base().key_codec(h).value_codec(h))
+            }),
+        ),
+    ]
 }
 
 /// `COLD_BYTES` worth of copies of `first` (at least one, at most 64).

@@ -50,6 +50,15 @@ pub(super) struct AttnScratch {
     pub(super) tmp: Vec<f32>,
 }
 
+/// `n` floats of `v` to be overwritten: grown when short, not zeroed
+/// again when reused for the next head or query block.
+pub(super) fn uninit_len(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
 pub(super) fn lcm(a: usize, b: usize) -> usize {
     fn gcd(a: usize, b: usize) -> usize {
         if b == 0 {
@@ -80,22 +89,26 @@ pub(super) enum SectionData<'a> {
 /// Work (`len · positions · kv heads`) below which `attend` stays on one thread.
 pub(super) const PARALLEL_MIN_WORK: usize = 16 * 1024;
 
-/// `work(i, item)` for every item: the first on the calling thread, the
-/// others on scoped threads spawned before it starts. One spawn fewer per
-/// call than spawning them all. A spawn and join cost tens of µs on the
-/// development VM, against a 1–2 ms decode step
-/// (`docs/perf/records/2026-12-01-zen4.md`).
+/// `work(i, item)` for every item, each on its own scoped thread while the
+/// calling thread waits. (Running the first item on the calling thread
+/// saves a spawn, tens of µs, but a new thread starts on its parent's core
+/// and, while the parent keeps computing, can wait there for the scheduler
+/// to move it: in a third or more of the paired bench's rounds the two
+/// halves of a decode step then ran one after the other.)
 pub(super) fn fan_out<T: Send>(items: impl IntoIterator<Item = T>, work: impl Fn(usize, T) + Sync) {
-    let mut items = items.into_iter().enumerate();
+    let mut items = items.into_iter().enumerate().peekable();
     let Some((i0, first)) = items.next() else {
         return;
     };
+    if items.peek().is_none() {
+        return work(i0, first);
+    }
     std::thread::scope(|sc| {
+        let work = &work;
+        sc.spawn(move || work(i0, first));
         for (i, item) in items {
-            let work = &work;
             sc.spawn(move || work(i, item));
         }
-        work(i0, first);
     });
 }
 

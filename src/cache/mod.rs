@@ -770,10 +770,10 @@ impl LayerCache {
         s: &mut AttnScratch,
     ) {
         let width = b - a;
-        s.scores.clear();
-        s.scores.resize(rows * width, 0.0);
-        self.k_scores(h, q, rows, a, b, &mut s.scores, &mut s.tmp);
-        for (i, (row, &(v0, v1))) in s.scores.chunks_exact_mut(width).zip(vis).enumerate() {
+        // Every score is written by `k_scores` (the sections cover a..b).
+        let scores = uninit_len(&mut s.scores, rows * width);
+        self.k_scores(h, q, rows, a, b, scores, &mut s.tmp);
+        for (i, (row, &(v0, v1))) in scores.chunks_exact_mut(width).zip(vis).enumerate() {
             let lo = v0.clamp(a, b) - a;
             let hi = v1.clamp(a, b) - a;
             row[..lo].fill(0.0);
@@ -783,7 +783,8 @@ impl LayerCache {
             part.sum[i] = sum;
         }
         part.out.fill(0.0);
-        self.v_sum(h, &s.scores, rows, a, b, &mut part.out, &mut s.tmp);
+        let scores = &s.scores[..rows * width];
+        self.v_sum(h, scores, rows, a, b, &mut part.out, &mut s.tmp);
     }
 
     /// Logits `[rows, b−a]` of `rows` queries against positions `a..b`.
@@ -812,8 +813,7 @@ impl LayerCache {
                     }
                 }
                 SectionData::Packed(view) => {
-                    tmp.clear();
-                    tmp.resize(rows * sec.len, 0.0);
+                    let tmp = uninit_len(tmp, rows * sec.len);
                     let c = self.k.codec.as_ref().expect("packed tokens have a codec");
                     c.scores(self.backend, &view, q, tmp)
                         .expect("lengths are consistent");
@@ -855,8 +855,7 @@ impl LayerCache {
                     }
                 }
                 SectionData::Packed(view) => {
-                    tmp.clear();
-                    tmp.resize(rows * sec.len, 0.0);
+                    let tmp = uninit_len(tmp, rows * sec.len);
                     for i in 0..rows {
                         tmp[i * sec.len..(i + 1) * sec.len]
                             .copy_from_slice(&p[i * width + off..i * width + off + sec.len]);
