@@ -2,7 +2,8 @@
 //! [`Backend`] against the oracle (`kernels::reference`), and the dense
 //! baselines against plain loops.
 //!
-//! Backends the CPU lacks are skipped with a message, not failed. The
+//! Backends the CPU lacks are skipped with a message (a failure under
+//! `KVQ_REQUIRE_ALL=1`, which CI sets). The
 //! tolerance is relative to the magnitude of the terms summed, elementwise:
 //! for a score, `Σ_c |q_c|·(|scale·code| + |zero|)`; for a weighted sum,
 //! `|out₀| + Σ_t |p_t|·(|scale·code| + |zero|)` — the numbers each kernel
@@ -182,7 +183,9 @@ fn run_case(rng: &mut Rng, s: QuantScheme, hd: usize, tokens: usize, nq: usize, 
     let x = make(data, rng, tokens, n_kv * hd);
     let block = match q.quantize(&x, tokens) {
         Ok(b) => b,
-        Err(kvq::Error::ScaleOverflow { .. }) => return,
+        // Only values near 1e30 can overflow a scale (bf16/f32 scales, a
+        // grid top beyond f32); anywhere else an overflow is a bug.
+        Err(kvq::Error::ScaleOverflow { .. }) if matches!(data, Data::Huge) => return,
         Err(e) => panic!("{}: {e}", s.label()),
     };
     // Head 1: its codes and params start past head 0's.

@@ -10,6 +10,8 @@
 //! within 5 % of the full-precision perplexity on the first window of each
 //! corpus (measured: +1.6 % prose, see RESULTS.md).
 
+mod common;
+
 use kvq_eval::assets;
 use kvq_eval::gguf::Gguf;
 use kvq_eval::kvq_store::{CacheSpec, KvqStore};
@@ -25,7 +27,7 @@ const CODE_W0: (f64, f64) = (9.4716, 9.0365);
 #[test]
 fn real_model_tokenizer_and_first_window_perplexity() {
     if !assets::present() {
-        println!("skipping: assets missing, run scripts/fetch-assets.sh");
+        common::skip("the real-model test: assets missing, run scripts/fetch-assets.sh");
         return;
     }
     kvq_eval::init_threads();

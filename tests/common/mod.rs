@@ -68,18 +68,33 @@ impl Rng {
     }
 }
 
-/// Every backend this CPU runs, in `Backend::ALL` order, printing the ones
-/// it skips (visible with `cargo test -- --nocapture`).
+/// The environment variable that turns every skip into a failure. CI
+/// (`.ci/run`) sets it: its machines have every backend, AVX-512 VNNI and
+/// the fetched assets, so a check that cannot run there is a defect, not
+/// a skip.
+pub const REQUIRE_ALL: &str = "KVQ_REQUIRE_ALL";
+
+/// Skip a check that cannot run here: a failure when [`REQUIRE_ALL`] is
+/// `1`, otherwise a line on stderr (`cargo test -- --nocapture` shows it).
+pub fn skip(what: &str) {
+    if std::env::var(REQUIRE_ALL).is_ok_and(|v| v == "1") {
+        panic!("{REQUIRE_ALL}=1 but this check cannot run: {what}");
+    }
+    eprintln!("SKIPPED: {what}");
+}
+
+/// Every backend this CPU runs, in `Backend::ALL` order; each one it
+/// lacks is a [`skip`].
 pub fn backends() -> Vec<Backend> {
     let available = Backend::available();
     assert!(available.contains(&Backend::Portable));
     assert!(available.contains(&Backend::detect()));
     for &b in Backend::ALL {
         if !available.contains(&b) {
-            eprintln!(
-                "skipping backend {}: this CPU does not support it",
+            skip(&format!(
+                "backend {}: this CPU does not support it",
                 b.name()
-            );
+            ));
         }
     }
     Backend::ALL
