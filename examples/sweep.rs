@@ -17,8 +17,9 @@
 //! `sweep.svg` (Δppl against effective bits, every point labelled, each
 //! domain's Pareto front drawn) into `--out`.
 //!
-//! The default grid (11 configurations × 2 domains × 4096 tokens) takes
-//! about ten minutes on 2 cores; `--full` sweeps bits 2–8 × axis × group.
+//! The default grid (17 configurations × 2 domains × 4096 tokens) takes
+//! about six and a half minutes on 2 cores, build included; `--full` sweeps
+//! bits 2–8 × axis × group.
 //!
 //! `--help` lists the flags. The program is
 //! [`kvq_eval::programs::sweep`](kvq_eval::programs::sweep).

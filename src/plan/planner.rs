@@ -446,8 +446,9 @@ impl Planner {
     /// repeatedly take the upgrade — to a pair on that layer's Pareto front
     /// of bits against error — with the largest reduction of the objective
     /// per bit spent, while the budget allows. Greedy is not optimal, so the
-    /// result is never worse than the best uniform pair: if that pair scores
-    /// better, every layer gets it.
+    /// result is never worse than the best uniform pair within the budget:
+    /// if that pair scores better (screened, or exactly once both are
+    /// refined), every layer gets it.
     ///
     /// Choices are made on the screened scores (see [`Planner`]); the chosen
     /// pair of every layer, and the best uniform pair for comparison, are
@@ -594,14 +595,30 @@ impl Planner {
             });
             uni_parts.push(exact_scores[l].pairs[1].ok_or_else(|| refine_failed(op))?);
         }
-        let errors = ErrorSummary::combine(layers.iter().map(|c| &c.errors));
+        let (uk, uv) = pairs[uniform_p];
+        let uniform = self.candidate(&setup, uk, uv, ErrorSummary::combine(&uni_parts), true);
+        // The screened choice may still lose to the uniform pair once both
+        // are scored exactly: then every layer gets the uniform pair, so
+        // the promise holds on the reported (exact) scores.
+        let mut errors = ErrorSummary::combine(layers.iter().map(|c| &c.errors));
+        if self.objective.of(&errors.mean) > uniform.score {
+            for (l, c) in layers.iter_mut().enumerate() {
+                *c = Candidate {
+                    keys: setup.keys[uk],
+                    values: setup.values[uv],
+                    effective_bits: setup.layer_pair_bits(l, uk, uv),
+                    score: self.objective.of(&uni_parts[l].mean),
+                    errors: uni_parts[l],
+                    exact: true,
+                };
+            }
+            errors = ErrorSummary::combine(&uni_parts);
+        }
         let effective_bits = layers
             .iter()
             .zip(&width)
             .map(|(c, w)| c.effective_bits * w / total_w)
             .sum();
-        let (uk, uv) = pairs[uniform_p];
-        let uniform = self.candidate(&setup, uk, uv, ErrorSummary::combine(&uni_parts), true);
         Ok(LayerPlan {
             budget,
             objective: self.objective,

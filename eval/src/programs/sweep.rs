@@ -17,8 +17,9 @@
 //! `sweep.svg` (Δppl against effective bits, every point labelled, each
 //! domain's Pareto front drawn) into `--out`.
 //!
-//! The default grid (11 configurations × 2 domains × 4096 tokens) takes
-//! about ten minutes on 2 cores; `--full` sweeps bits 2–8 × axis × group.
+//! The default grid (17 configurations × 2 domains × 4096 tokens) takes
+//! about six and a half minutes on 2 cores, build included; `--full` sweeps
+//! bits 2–8 × axis × group.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -42,7 +43,7 @@ use crate::BoxError;
 /// an f16 cache, perplexity (all predictions and second half of each
 /// window), Δppl against the full-precision cache, and the mean attention KL
 /// of the first window. Writes sweep.csv, sweep.json and sweep.svg into
-/// --out. The default grid takes about ten minutes on 2 cores.
+/// --out. The default grid takes about six and a half minutes on 2 cores.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "sweep")]
 pub struct Args {
