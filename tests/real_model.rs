@@ -16,13 +16,24 @@ use kvq_eval::assets;
 use kvq_eval::gguf::Gguf;
 use kvq_eval::kvq_store::{CacheSpec, KvqStore};
 use kvq_eval::model::{DenseStore, Hooks, Model};
-use kvq_eval::ppl::{perplexity, EvalPath, PplOptions};
+use kvq_eval::ppl::{capture_window, perplexity, EvalPath, PplOptions};
+use kvq_eval::programs::sweep::attention_kl;
 use kvq_eval::tokenizer::Tokenizer;
 
 /// Full-precision perplexity of the first 512-token window, all predictions
 /// and second half, as measured on x86-64 in f32 (`docs/RESULTS.md`).
-const AUSTEN_W0: (f64, f64) = (21.8932, 21.9000);
-const CODE_W0: (f64, f64) = (9.4716, 9.0365);
+/// Then KIVI-4's relative ppl change on that window, and (prose only, to
+/// keep the test short) the mean attention KL (nats, over layers) of
+/// KIVI-4, q4_0 and Hadamard-rotated q4_0 on its captured Q/K/V: the
+/// figures `docs/RESULTS.md` quotes for the first window, measured by this
+/// test's own code.
+const AUSTEN_W0: (f64, f64, f64, Option<[f64; 3]>) = (
+    21.8932,
+    21.9000,
+    -0.00251,
+    Some([6.1655e-3, 9.0024e-2, 2.4342e-2]),
+);
+const CODE_W0: (f64, f64, f64, Option<[f64; 3]>) = (9.4716, 9.0365, 0.03092, None);
 
 #[test]
 fn real_model_tokenizer_and_first_window_perplexity() {
@@ -115,14 +126,56 @@ fn real_model_tokenizer_and_first_window_perplexity() {
         )
         .unwrap();
         let q4 = q.all.ppl();
+        let rel = q4 / all - 1.0;
         println!(
-            "{name}: KIVI-4 first window ppl {q4:.4} ({:+.2} %)",
-            (q4 / all - 1.0) * 100.0
+            "{name}: KIVI-4 first window ppl {q4:.4} ({:+.3} %)",
+            rel * 100.0
         );
+        // Within a quarter of its measured change or one point, whichever
+        // is wider: kernels that sum in another order move a single
+        // window's ppl by up to ~0.5 point (docs/RESULTS.md, noise floor);
+        // a doubling of code's damage fails.
+        let want_rel = want.2;
         assert!(
-            q4 > all * 0.98 && q4 < all * 1.05,
-            "{name}: KIVI-4 ppl {q4} vs full precision {all}"
+            (rel - want_rel).abs() < (0.25 * want_rel.abs()).max(0.01),
+            "{name}: KIVI-4 costs {:+.3} %, measured {:+.3} %",
+            rel * 100.0,
+            want_rel * 100.0
         );
+
+        // Attention KL of the first window's real Q/K/V, per scheme.
+        if let Some(pins) = want.3 {
+            let cap = capture_window(&model, &ids[..512]).unwrap();
+            let kl = |spec: CacheSpec| {
+                attention_kl(&cap, &spec, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim).unwrap()
+            };
+            let q4_0 = kvq::presets::q4_0();
+            let plain = CacheSpec {
+                keys: Some(q4_0),
+                values: Some(q4_0),
+                ..CacheSpec::FULL
+            };
+            let rotated = CacheSpec {
+                key_rotation: kvq::Rotation::Hadamard,
+                value_rotation: kvq::Rotation::Hadamard,
+                ..plain
+            };
+            let (kl_kivi, kl_q4, kl_hq4) = (kl(spec), kl(plain), kl(rotated));
+            println!(
+                "{name}: attention KL KIVI-4 {kl_kivi:.4e}, q4_0 {kl_q4:.4e}, H·q4_0 {kl_hq4:.4e}"
+            );
+            for (what, got, pinned) in [
+                ("KIVI-4", kl_kivi, pins[0]),
+                ("q4_0", kl_q4, pins[1]),
+                ("H·q4_0", kl_hq4, pins[2]),
+            ] {
+                assert!(
+                    (got / pinned - 1.0).abs() < 0.02,
+                    "{name}: {what} attention KL {got:.4e}, measured {pinned:.4e}"
+                );
+            }
+        }
+
         // And the full-precision kvq cache reproduces the dense store.
         let mut store =
             KvqStore::new(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, CacheSpec::FULL).unwrap();
