@@ -14,7 +14,7 @@ use kvq::plan::{CacheFormat, MemoryModel, Objective, Planner, Role, SchemeGrid, 
 use kvq::{Axis, Error, Group, KvQuantizer, Mode, QuantScheme, ScaleFormat, UniformQuantizer};
 
 // ---------------------------------------------------------------------------
-// The demonstration: the structure FINDINGS.md (study B) documents.
+// The demonstration: the structure `docs/STUDIES.md` (study B) documents.
 
 /// Knobs of the synthetic head.
 #[derive(Clone, Copy, Debug)]
@@ -464,7 +464,7 @@ fn half_precision_inputs_and_model_summary() {
 }
 
 // ---------------------------------------------------------------------------
-// Memory model: the study's numbers (FINDINGS.md, study A, Qwen3.5).
+// Memory model: the study's numbers (`docs/STUDIES.md`, study A, Qwen3.5).
 
 /// 32 layers, every fourth full attention: 8 layers x 4 KV heads x 256, and
 /// 24 Gated DeltaNet layers of 1 MiB each (24 MiB = 25.2 MB, "about 25 MB").

@@ -388,7 +388,7 @@ pub struct ModelErrors {
 ///
 /// What [`Planner`](crate::plan::Planner) takes, one per full-attention
 /// layer. Keys are captured where the cache stores them (after `k_norm` and
-/// RoPE, if the model stores them so — see FINDINGS, study A).
+/// RoPE, if the model stores them so — see `docs/STUDIES.md`, study A).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerCapture {
     shape: AttnShape,
