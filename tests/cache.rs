@@ -624,6 +624,57 @@ fn threads_do_not_change_results() {
     assert_eq!(oa, ob);
 }
 
+/// Many threads attending on one shared cache at once (each call with its
+/// own thread fan-out) get exactly what one thread gets.
+#[test]
+fn concurrent_attends_on_a_shared_cache_match_one_thread() {
+    let (n_kv, hd) = (4, 64);
+    let (k, v) = kivi(4);
+    let mut rng = Rng::new(12);
+    for threads in [1, 2] {
+        let cfg = CacheConfig::new(n_kv, hd)
+            .keys(k)
+            .values(v)
+            .residual(32)
+            .sinks(2)
+            .threads(threads);
+        let mut cache = LayerCache::new(cfg).unwrap();
+        fill(&mut cache, 5000, &mut rng);
+        let queries: Vec<Vec<f32>> = (0..8).map(|_| rng.vec(8 * hd)).collect();
+        let alone: Vec<Vec<f32>> = queries
+            .iter()
+            .map(|q| {
+                let mut o = vec![0.0; q.len()];
+                cache.attend(q, 8, &mut o).unwrap();
+                o
+            })
+            .collect();
+        let cache = &cache;
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..8)
+                .map(|t| {
+                    let qs = &queries;
+                    sc.spawn(move || {
+                        (0..20)
+                            .map(|i| {
+                                let j = (t + i) % qs.len();
+                                let mut o = vec![0.0; qs[j].len()];
+                                cache.attend(&qs[j], 8, &mut o).unwrap();
+                                (j, o)
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for h in handles {
+                for (j, o) in h.join().unwrap() {
+                    assert_eq!(o, alone[j], "threads {threads}, query {j}");
+                }
+            }
+        });
+    }
+}
+
 #[test]
 fn every_backend_gives_the_same_attention() {
     let (n_kv, hd) = (2, 128);

@@ -104,6 +104,15 @@ impl CacheConfig {
     }
     /// Use at most `n` threads in `attend` (0 = all available, 1 = the
     /// calling thread only, for engines with their own pools).
+    ///
+    /// The contract: `attend` and `attend_causal` take `&self` and may be
+    /// called from many threads at once on one cache (results are those of
+    /// a single caller, bit for bit). Each call with more than one thread
+    /// spawns up to `n` scoped threads, joined before it returns, and
+    /// takes no lock, so calls never deadlock each other; but `n` threads
+    /// per call inside a caller's own pool of `m` workers means up to `n·m`
+    /// runnable threads. An engine that already spreads layers, heads or
+    /// sequences over its own pool sets `threads(1)`.
     pub fn threads(mut self, n: usize) -> Self {
         self.threads = n;
         self
