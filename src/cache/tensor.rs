@@ -5,9 +5,8 @@ use super::*;
 /// One of K or V of a layer.
 #[derive(Debug, Clone)]
 pub(super) struct Tensor {
-    /// The stored format (`None`: full precision) and its layout.
+    /// The stored format (`None`: full precision).
     pub(super) codec: Option<Arc<dyn KvCodec>>,
-    pub(super) layout: Option<Layout>,
     pub(super) width: usize,
     pub(super) sinks: usize,
     pub(super) residual: usize,
@@ -31,7 +30,6 @@ impl PartialEq for Tensor {
     /// the dead prefix of the tail).
     fn eq(&self, o: &Self) -> bool {
         self.codec.as_ref().map(|c| c.spec()) == o.codec.as_ref().map(|c| c.spec())
-            && self.layout == o.layout
             && self.sink == o.sink
             && self.tail_slice() == o.tail_slice()
             && self.packed == o.packed
@@ -67,7 +65,6 @@ impl Tensor {
         let pc = matches!(layout, Some(l) if l.scheme().axis() == Axis::PerChannel);
         Tensor {
             codec,
-            layout,
             width: n_kv * hd,
             sinks,
             residual,
@@ -87,13 +84,22 @@ impl Tensor {
         self.codec.as_ref().is_some_and(|c| c.transforms())
     }
 
-    /// `rows` in the codec's stored space (a copy).
-    pub(super) fn stored_rows(&self, rows: &[f32]) -> Vec<f32> {
-        let mut out = rows.to_vec();
-        if let Some(c) = self.codec.as_ref().filter(|c| c.transforms()) {
-            c.transform_in(&mut out);
+    /// The codec's layout (`None`: full precision).
+    pub(super) fn layout(&self) -> Option<Layout> {
+        self.codec.as_ref().map(|c| *c.layout())
+    }
+
+    /// `rows` in the codec's stored space: a transformed copy, or `rows`
+    /// itself when the codec stores them as given.
+    pub(super) fn stored_rows<'a>(&self, rows: &'a [f32]) -> std::borrow::Cow<'a, [f32]> {
+        match self.codec.as_ref().filter(|c| c.transforms()) {
+            Some(c) => {
+                let mut out = rows.to_vec();
+                c.transform_in(&mut out);
+                out.into()
+            }
+            None => rows.into(),
         }
-        out
     }
 
     pub(super) fn tail_rows(&self) -> usize {
@@ -106,7 +112,7 @@ impl Tensor {
 
     /// Tokens quantized at a time.
     pub(super) fn unit(&self) -> usize {
-        self.layout.map_or(usize::MAX, |l| l.block_tokens())
+        self.layout().map_or(usize::MAX, |l| l.block_tokens())
     }
 
     /// Check that `rows` (tokens at positions `pos0..`, in the stored
@@ -234,7 +240,7 @@ impl Tensor {
         self.tail.truncate(m.tail);
         self.tail_start = m.tail_start;
         self.packed = m.packed;
-        if let Some(l) = self.layout {
+        if let Some(l) = self.layout() {
             let params = l.param_bytes(m.packed) / self.params.len();
             for c in &mut self.codes {
                 c.truncate(l.head_code_bytes(m.packed));
@@ -254,7 +260,7 @@ impl Tensor {
         backend: Backend,
         scratch: &mut Scratch,
     ) {
-        let (Some(c), Some(l)) = (&self.codec, self.layout) else {
+        let (Some(c), Some(l)) = (&self.codec, self.layout()) else {
             unreachable!("only a tensor with a codec quantizes");
         };
         let rb = l.row_bytes();
@@ -303,7 +309,7 @@ impl Tensor {
 
     /// Tokens quantized at a time, 1 when full precision.
     pub(super) fn unit_or_1(&self) -> usize {
-        self.layout.map_or(1, |l| l.block_tokens())
+        self.layout().map_or(1, |l| l.block_tokens())
     }
 
     /// The stored runs of positions `a..b` for head `h`, in order.
@@ -342,7 +348,7 @@ impl Tensor {
     }
 
     pub(super) fn head(&self, h: usize) -> Option<PackedHead<'_>> {
-        let l = self.layout?;
+        let l = self.layout()?;
         if self.packed == 0 {
             return None;
         }
@@ -378,7 +384,7 @@ impl Tensor {
     /// back from the codec's stored space.
     pub(super) fn to_f32(&self) -> Vec<f32> {
         let mut out = self.sink.clone();
-        if let (Some(c), Some(l)) = (&self.codec, self.layout) {
+        if let (Some(c), Some(l)) = (&self.codec, self.layout()) {
             let hd = l.head_dim();
             let n_kv = self.width / hd;
             let base = out.len();
