@@ -61,7 +61,7 @@ use crate::element::{as_f32, widen_into, Element};
 use crate::error::{Error, Result};
 use crate::kernels::{self, axpy, dot, Backend};
 use crate::quant::codec::{Codec, KvCodec, Pending};
-use crate::quant::{abs_max_finite, check_finite, check_len};
+use crate::quant::{abs_max_finite, check_finite, check_len, check_rows};
 use crate::scheme::{check_shape, Axis, Layout, QuantScheme};
 use crate::store::PackedHead;
 use crate::views::{check_tail, check_tokens, contiguous};
@@ -560,16 +560,9 @@ impl LayerCache {
                 op,
                 what: format!("{n_q_heads} query heads of {hd} channels do not fit"),
             })?;
-        if q.is_empty() || !q.len().is_multiple_of(qw) {
-            return Err(Error::Length {
-                op,
-                what: "query values (a positive multiple of n_q_heads·head_dim)",
-                expected: qw * (q.len() / qw).max(1),
-                got: q.len(),
-            });
-        }
+        let what = "query values (a positive multiple of n_q_heads·head_dim)";
+        let n = check_rows(op, what, q.len(), qw)?;
         check_len(op, "output values", q.len(), out.len())?;
-        let n = q.len() / qw;
         if n > self.len {
             return Err(Error::InvalidShape {
                 op,

@@ -154,18 +154,15 @@ pub use weighted_sum::{
     weighted_sum, weighted_sum_i8, weighted_sum_i8_is_int8, weighted_sum_i8_on, weighted_sum_on,
 };
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 pub(crate) fn check_queries(op: &'static str, hd: usize, q_len: usize) -> Result<usize> {
-    if q_len == 0 || !q_len.is_multiple_of(hd) {
-        return Err(Error::Length {
-            op,
-            what: "query values (a positive multiple of head_dim)",
-            expected: hd * (q_len / hd).max(1),
-            got: q_len,
-        });
-    }
-    Ok(q_len / hd)
+    crate::quant::check_rows(
+        op,
+        "query values (a positive multiple of head_dim)",
+        q_len,
+        hd,
+    )
 }
 
 #[cfg(test)]

@@ -57,7 +57,7 @@
 
 use crate::element::Element;
 use crate::error::{Error, Result};
-use crate::quant::{check_finite, check_len, KvQuantizer};
+use crate::quant::{check_finite, check_len, check_rows, KvQuantizer};
 use std::ops::Range;
 
 mod attention;
@@ -468,24 +468,20 @@ fn check_layer(
 ) -> Result<(usize, usize)> {
     let qw = shape.n_q_heads * shape.head_dim;
     let kw = shape.n_kv_heads * shape.head_dim;
-    if q.is_empty() || !q.len().is_multiple_of(qw) {
-        return Err(Error::Length {
-            op,
-            what: "query values (a positive multiple of n_q_heads·head_dim)",
-            expected: qw * (q.len() / qw).max(1),
-            got: q.len(),
-        });
-    }
-    if k.is_empty() || !k.len().is_multiple_of(kw) {
-        return Err(Error::Length {
-            op,
-            what: "key values (a positive multiple of n_kv_heads·head_dim)",
-            expected: kw * (k.len() / kw).max(1),
-            got: k.len(),
-        });
-    }
+    let n = check_rows(
+        op,
+        "query values (a positive multiple of n_q_heads·head_dim)",
+        q.len(),
+        qw,
+    )?;
+    let t = check_rows(
+        op,
+        "key values (a positive multiple of n_kv_heads·head_dim)",
+        k.len(),
+        kw,
+    )?;
     check_len(op, "values (as many as keys)", k.len(), v.len())?;
-    Ok((q.len() / qw, k.len() / kw))
+    Ok((n, t))
 }
 
 /// Errors of one attention head from the exact and the quantized keys and

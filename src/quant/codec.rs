@@ -238,14 +238,12 @@ impl Codec {
         match self.rotation {
             Rotation::None => q.roundtrip(x, tokens),
             Rotation::Hadamard => {
+                let op = "Codec::roundtrip";
                 let h = Hadamard::new(head_dim)?;
-                super::check_len(
-                    "Codec::roundtrip",
-                    "values",
-                    tokens * n_kv_heads * head_dim,
-                    x.len(),
-                )?;
-                check_finite_rows(x, n_kv_heads, head_dim)?;
+                super::check_len(op, "values", tokens * n_kv_heads * head_dim, x.len())?;
+                // NaN/inf is reported where the caller put it, before the
+                // rotation spreads it over a head.
+                super::check_finite(op, x, n_kv_heads, head_dim, 0)?;
                 let mut r = x.to_vec();
                 h.forward(&mut r);
                 let mut back = q.roundtrip(&r, tokens)?;
@@ -267,11 +265,6 @@ impl Codec {
             Rotation::Hadamard => Arc::new(Rotated::new(u, Hadamard::new(head_dim)?)),
         })
     }
-}
-
-/// NaN/inf is reported where the caller put it, before a rotation spreads it.
-fn check_finite_rows(x: &[f32], n_kv_heads: usize, head_dim: usize) -> Result<()> {
-    super::check_finite("Codec::roundtrip", x, n_kv_heads, head_dim, 0)
 }
 
 /// The uniform integer grid ([`QuantScheme`]), with the exact fused

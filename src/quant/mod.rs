@@ -286,6 +286,26 @@ impl KvQuantizer for UniformQuantizer {
     }
 }
 
+/// How many rows of `unit` values `len` holds, or [`Error::Length`] when
+/// it is not a positive multiple of `unit` (`what` names the values and
+/// the rule, e.g. "query values (a positive multiple of head_dim)").
+pub(crate) fn check_rows(
+    op: &'static str,
+    what: &'static str,
+    len: usize,
+    unit: usize,
+) -> Result<usize> {
+    if len == 0 || !len.is_multiple_of(unit) {
+        return Err(Error::Length {
+            op,
+            what,
+            expected: unit * (len / unit).max(1),
+            got: len,
+        });
+    }
+    Ok(len / unit)
+}
+
 pub(crate) fn check_len(
     op: &'static str,
     what: &'static str,
@@ -457,6 +477,7 @@ fn ggml_token(
     token: usize,
     codes: &mut [u8],
     params: &mut [u8],
+    tmp: &mut [u8],
 ) -> Result<()> {
     if !x.iter().all(|v| v.is_finite()) {
         return Err(nonfinite(l, x, token));
@@ -470,7 +491,6 @@ fn ggml_token(
         l.row_bytes(),
     );
     let pb = s.param_bytes();
-    let mut tmp = vec![0u8; hd];
     for h in 0..l.n_kv_heads() {
         let ph = &mut params[h * gpr * pb..][..gpr * pb];
         for g in 0..gpr {
@@ -482,7 +502,7 @@ fn ggml_token(
                 fmt.write(zero, &mut ph[(gpr + g) * 2..]);
             }
         }
-        crate::pack::pack(&tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
+        crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
     }
     Ok(())
 }
@@ -643,6 +663,27 @@ pub(crate) fn quantize_channel_block(
     })
 }
 
+/// `impl Kernel` for a quantizer's argument struct whose `run<O:
+/// QuantOps>` does the work: the scalar loops on the portable backend,
+/// each SIMD token's loops on the others.
+macro_rules! quant_kernel {
+    ($t:ident) => {
+        impl Kernel for $t<'_> {
+            type Output = Result<()>;
+
+            fn portable(self) -> Result<()> {
+                self.run(Scalar)
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
+                self.run(s)
+            }
+        }
+    };
+}
+
 /// The per-token quantizer as a kernel (its own codegen unit).
 mod token_kernel {
     use super::*;
@@ -663,19 +704,7 @@ mod token_kernel {
         }
     }
 
-    impl Kernel for QuantizeToken<'_> {
-        type Output = Result<()>;
-
-        fn portable(self) -> Result<()> {
-            self.run(Scalar)
-        }
-
-        #[cfg(target_arch = "x86_64")]
-        #[inline(always)]
-        fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
-            self.run(s)
-        }
-    }
+    quant_kernel!(QuantizeToken);
 }
 use token_kernel::*;
 
@@ -710,19 +739,7 @@ mod block_kernel {
         }
     }
 
-    impl Kernel for QuantizeBlock<'_> {
-        type Output = Result<()>;
-
-        fn portable(self) -> Result<()> {
-            self.run(Scalar)
-        }
-
-        #[cfg(target_arch = "x86_64")]
-        #[inline(always)]
-        fn simd<S: crate::simd::x86_64::Simd>(self, s: S) -> Result<()> {
-            self.run(s)
-        }
-    }
+    quant_kernel!(QuantizeBlock);
 }
 use block_kernel::*;
 
@@ -740,9 +757,6 @@ pub(crate) fn quantize_token_generic<O: QuantOps>(
     params: &mut [u8],
 ) -> Result<()> {
     let s = l.scheme();
-    if s.rounding() == Rounding::Ggml {
-        return ggml_token(l, x, token, codes, params);
-    }
     let fmt = s.scale_format();
     let fb = fmt.bytes();
     let hd = l.head_dim();
@@ -756,6 +770,9 @@ pub(crate) fn quantize_token_generic<O: QuantOps>(
         heap = vec![0u8; hd];
         &mut heap[..]
     };
+    if s.rounding() == Rounding::Ggml {
+        return ggml_token(l, x, token, codes, params, tmp);
+    }
     let sym = s.mode() == Mode::Symmetric;
     if l.shared_params() {
         let (mn, mx, ok) = ops.min_max_finite(x);
