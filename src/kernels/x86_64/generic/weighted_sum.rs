@@ -50,6 +50,14 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                 && matches!(nq, 1 | 4)
                 && g.nch <= MAX_NCH
                 && (B != 3 || t3.is_some())
+                && (!matches!(B, 2 | 4) || {
+                    let fmt = head.layout().scheme().scale_format();
+                    if nq == 1 {
+                        byte_vectors::<S, B, 1>(g, fmt)
+                    } else {
+                        byte_vectors::<S, B, 4>(g, fmt)
+                    }
+                })
                 && head.layout().channels_per_group().is_multiple_of(S::L) =>
         {
             let mut tp = TileParams::new::<S>(head, g, pl);
@@ -378,6 +386,33 @@ pub(crate) unsafe fn zero_sums<S: Simd>(
     });
 }
 
+/// Byte vectors per column block of [`fused_sum_pt`]'s byte-vector path:
+/// `NQ·F·bb` accumulators fill half the register file.
+#[inline(always)]
+fn byte_block<S: Simd, const B: u8, const NQ: usize>(g: Geo) -> usize {
+    let nf = 8 / B as usize;
+    let jb = (S::REGS / 2 / NQ).max(1);
+    (jb / nf).max(1).min((g.nch / nf).max(1))
+}
+
+/// Whether a 2- or 4-bit head of geometry `g` and scale format `fmt` fits
+/// [`fused_sum_pt`]'s byte-vector path: each field is whole vectors, the
+/// blocks tile the row, and scales are `f16` (the fields accumulate up to
+/// `2^6` times too large, headroom only `f16` scales guarantee).
+#[inline(always)]
+fn byte_vectors<S: Simd, const B: u8, const NQ: usize>(g: Geo, fmt: ScaleFormat) -> bool {
+    if !matches!(B, 2 | 4) {
+        return false;
+    }
+    let nf = 8 / B as usize;
+    let (h, bb) = (g.nch / nf, byte_block::<S, B, NQ>(g));
+    (g.hd / nf).is_multiple_of(S::L)
+        && h.is_multiple_of(bb)
+        && bb * nf <= 16
+        && bb <= 8
+        && fmt == ScaleFormat::F16
+}
+
 /// Fused weighted sum of per-token values for `NQ` queries: each row is
 /// unpacked into registers once and added into every query. Accumulators
 /// live in registers for a tile at a time, `NQ ×` a column block of
@@ -446,13 +481,12 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     // overflows only for weights beyond ≈10^30, not for probabilities.
     let nf = 8 / B as usize;
     let h = nch / nf;
-    let bb = (jb / nf).max(1).min(h.max(1));
-    let nib = matches!(B, 2 | 4)
-        && (g.hd / nf).is_multiple_of(S::L)
-        && h.is_multiple_of(bb)
-        && bb * nf <= 16
-        && bb <= 8
-        && tp.p.fmt == ScaleFormat::F16;
+    let bb = byte_block::<S, B, NQ>(g);
+    // 2- and 4-bit instances hold only the byte-vector path (the driver
+    // routes every other shape to the tile kernels); 8-bit ones only the
+    // vector path.
+    let nib = matches!(B, 2 | 4);
+    assert!(!nib || byte_vectors::<S, B, NQ>(g, tp.p.fmt));
     // Accumulator slots per field.
     let fs = 16 / nf;
     // Several queries fold each vector's zero in with its scale (`x·scale
@@ -568,7 +602,7 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 Some(t3) => (t3.load(s, codes.add(t0 * g.rb), g.rb, n), g.hd),
                 None => (codes.add(t0 * g.rb), g.rb),
             };
-            if const { matches!(B, 2 | 4) } && nib {
+            if const { matches!(B, 2 | 4) } {
                 let mut jj0 = 0;
                 while jj0 < h {
                     let mut a = [[s.zero(); 16]; NQ];
