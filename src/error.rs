@@ -105,7 +105,18 @@ pub enum Error {
         what: String,
     },
 
-    /// Bytes from outside (a serialized block) are malformed.
+    /// Reading or writing a stream failed (saving or loading a cache).
+    #[error("{op}: i/o error ({kind:?}): {what}")]
+    Io {
+        /// The operation that used the stream.
+        op: &'static str,
+        /// The kind of the underlying `std::io::Error`.
+        kind: std::io::ErrorKind,
+        /// Its message.
+        what: String,
+    },
+
+    /// Bytes from outside (a serialized block or cache) are malformed.
     #[error("{op}: malformed bytes: {what}")]
     Malformed {
         /// The operation that read them.

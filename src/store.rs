@@ -229,40 +229,17 @@ impl PackedBlock {
             return Err(bad(format!("unsupported version {}", h.version)));
         }
         let u32_le = |x: u32| u32::from_le(x) as usize;
-        let bits = h.bits;
-        let axis = match h.axis {
-            0 => Axis::PerToken,
-            1 => Axis::PerChannel,
-            x => return Err(bad(format!("axis byte {x}"))),
-        };
-        let group = match h.group_kind {
-            0 => Group::Size(u32_le(h.group_size)),
-            1 => Group::Head,
-            2 => Group::Vector,
-            x => return Err(bad(format!("group byte {x}"))),
-        };
-        let mode = match h.mode {
-            0 => Mode::Asymmetric,
-            1 => Mode::Symmetric,
-            x => return Err(bad(format!("mode byte {x}"))),
-        };
-        let fmt = match h.scale_format {
-            0 => ScaleFormat::F16,
-            1 => ScaleFormat::Bf16,
-            2 => ScaleFormat::F32,
-            x => return Err(bad(format!("scale format byte {x}"))),
-        };
-        let rounding = match h.reserved0[0] {
-            0 => Rounding::Grid,
-            1 => Rounding::Ggml,
-            x => return Err(bad(format!("rounding byte {x}"))),
-        };
-        let scheme = QuantScheme::new(bits, axis, group)
-            .and_then(|s| s.with_mode(mode))
-            .map_err(|e| bad(e.to_string()))?
-            .with_scale_format(fmt)
-            .with_rounding(rounding)
-            .map_err(|e| bad(e.to_string()))?;
+        let scheme = SchemeBytes {
+            bits: h.bits,
+            axis: h.axis,
+            group_kind: h.group_kind,
+            mode: h.mode,
+            scale_format: h.scale_format,
+            rounding: h.reserved0[0],
+            group_size: u32::from_le(h.group_size),
+        }
+        .scheme()
+        .map_err(bad)?;
         let (nh, hd, tokens) = (u32_le(h.n_kv_heads), u32_le(h.head_dim), u32_le(h.tokens));
         let layout = scheme.layout(nh, hd).map_err(|e| bad(e.to_string()))?;
         let need = layout
@@ -340,16 +317,54 @@ const _: () = {
 
 impl Header {
     fn new(l: &Layout, tokens: usize) -> Self {
-        let s = l.scheme();
-        let (group_kind, group_size) = match s.group() {
-            Group::Size(n) => (0, n),
-            Group::Head => (1, 0),
-            Group::Vector => (2, 0),
-        };
+        let b = SchemeBytes::new(l.scheme());
         let le = |x: usize| (x as u32).to_le();
         Header {
             magic: *MAGIC,
             version: VERSION,
+            bits: b.bits,
+            axis: b.axis,
+            group_kind: b.group_kind,
+            mode: b.mode,
+            scale_format: b.scale_format,
+            reserved0: [b.rounding, 0],
+            group_size: b.group_size.to_le(),
+            n_kv_heads: le(l.n_kv_heads()),
+            head_dim: le(l.head_dim()),
+            tokens: le(tokens),
+            reserved1: 0,
+        }
+    }
+}
+
+/// A scheme as the serialized formats store it: six one-byte fields and
+/// the group size (`docs/FORMAT.md`, section 5).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct SchemeBytes {
+    pub(crate) bits: u8,
+    /// `0` per-token, `1` per-channel.
+    pub(crate) axis: u8,
+    /// `0` `Size`, `1` `Head`, `2` `Vector`.
+    pub(crate) group_kind: u8,
+    /// `0` asymmetric, `1` symmetric.
+    pub(crate) mode: u8,
+    /// `0` f16, `1` bf16, `2` f32.
+    pub(crate) scale_format: u8,
+    /// `0` grid, `1` ggml.
+    pub(crate) rounding: u8,
+    /// `G` for `Group::Size(G)`, else zero.
+    pub(crate) group_size: u32,
+}
+
+impl SchemeBytes {
+    pub(crate) fn new(s: &QuantScheme) -> Self {
+        let (group_kind, group_size) = match s.group() {
+            // (A scheme's group size is below 2^32.)
+            Group::Size(n) => (0, u32::try_from(n).unwrap_or(u32::MAX)),
+            Group::Head => (1, 0),
+            Group::Vector => (2, 0),
+        };
+        SchemeBytes {
             bits: s.bits(),
             axis: match s.axis() {
                 Axis::PerToken => 0,
@@ -365,19 +380,49 @@ impl Header {
                 ScaleFormat::Bf16 => 1,
                 ScaleFormat::F32 => 2,
             },
-            reserved0: [
-                match s.rounding() {
-                    Rounding::Grid => 0,
-                    Rounding::Ggml => 1,
-                },
-                0,
-            ],
-            group_size: le(group_size),
-            n_kv_heads: le(l.n_kv_heads()),
-            head_dim: le(l.head_dim()),
-            tokens: le(tokens),
-            reserved1: 0,
+            rounding: match s.rounding() {
+                Rounding::Grid => 0,
+                Rounding::Ggml => 1,
+            },
+            group_size,
         }
+    }
+
+    /// The scheme these bytes name, or what is wrong with them.
+    pub(crate) fn scheme(&self) -> std::result::Result<QuantScheme, String> {
+        let axis = match self.axis {
+            0 => Axis::PerToken,
+            1 => Axis::PerChannel,
+            x => return Err(format!("axis byte {x}")),
+        };
+        let group = match self.group_kind {
+            0 => Group::Size(self.group_size as usize),
+            1 => Group::Head,
+            2 => Group::Vector,
+            x => return Err(format!("group byte {x}")),
+        };
+        let mode = match self.mode {
+            0 => Mode::Asymmetric,
+            1 => Mode::Symmetric,
+            x => return Err(format!("mode byte {x}")),
+        };
+        let fmt = match self.scale_format {
+            0 => ScaleFormat::F16,
+            1 => ScaleFormat::Bf16,
+            2 => ScaleFormat::F32,
+            x => return Err(format!("scale format byte {x}")),
+        };
+        let rounding = match self.rounding {
+            0 => Rounding::Grid,
+            1 => Rounding::Ggml,
+            x => return Err(format!("rounding byte {x}")),
+        };
+        QuantScheme::new(self.bits, axis, group)
+            .and_then(|s| s.with_mode(mode))
+            .map_err(|e| e.to_string())?
+            .with_scale_format(fmt)
+            .with_rounding(rounding)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -408,7 +453,7 @@ pub(crate) fn check_fits(op: &'static str, l: &Layout, tokens: usize) -> Result<
     }
 }
 
-fn validate_params(op: &'static str, l: &Layout, params: &[u8]) -> Result<()> {
+pub(crate) fn validate_params(op: &'static str, l: &Layout, params: &[u8]) -> Result<()> {
     let s = l.scheme();
     let fmt = s.scale_format();
     let fb = fmt.bytes();

@@ -71,6 +71,7 @@ use std::sync::Arc;
 mod attention;
 mod config;
 mod model;
+mod persist;
 mod tensor;
 
 pub use attention::dense_attention;
@@ -102,6 +103,15 @@ struct Scratch {
     /// Working copies of the K and V running ranges (min, max) for a
     /// call, swapped in on success (reused, so an append allocates nothing).
     pend: [(Vec<f32>, Vec<f32>); 2],
+}
+
+/// A checked [`LayerCache::truncate`]: the new length and, for each of K
+/// and V, the packed tokens kept, the new full-precision tail and its
+/// running range.
+struct Cut {
+    len: usize,
+    k: (usize, Vec<f32>, Pending),
+    v: (usize, Vec<f32>, Pending),
 }
 
 /// The quantized K/V cache of one attention layer.
@@ -190,6 +200,77 @@ impl LayerCache {
         self.len = 0;
         self.k.clear();
         self.v.clear();
+    }
+
+    /// Keep the first `len` tokens and drop the rest: the rejected draft
+    /// tokens of speculative decoding, or a prompt rewound to a shared
+    /// prefix. Allocations are kept.
+    ///
+    /// Tokens in the sinks and the residual window are cut exactly, and so
+    /// are per-token packed tokens (each token has its own params). A cut
+    /// inside a per-channel block that is already quantized keeps the
+    /// blocks before it packed and returns the block's surviving tokens to
+    /// the full-precision tail *as decoded*: they carry the block's
+    /// quantization error, and when their block fills again they are
+    /// quantized a second time, with the new block's range (at most half
+    /// a step of that grid more per element). A residual window at least
+    /// as deep as the deepest rollback keeps every cut exact.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `len > self.len()`. The cache is
+    /// unchanged on error.
+    ///
+    /// # Example
+    /// ```
+    /// use kvq::{presets, CacheConfig, LayerCache};
+    /// let (n_kv, hd) = (2, 64);
+    /// let (keys, values) = presets::kivi(4)?;
+    /// let cfg = CacheConfig::new(n_kv, hd).keys(keys).values(values).residual(32);
+    /// let mut cache = LayerCache::new(cfg)?;
+    /// let row = |t: usize| -> Vec<f32> { (0..n_kv * hd).map(|c| ((t * 31 + c) % 17) as f32 / 17.0).collect() };
+    /// for t in 0..100 {
+    ///     cache.append(&row(t), &row(t + 1))?;
+    /// }
+    /// let before = cache.keys_f32();
+    /// // Four draft tokens rejected: within the residual window, exact.
+    /// cache.truncate(96)?;
+    /// assert_eq!(cache.keys_f32(), before[..96 * n_kv * hd]);
+    /// assert!(cache.truncate(200).is_err());
+    /// # Ok::<(), kvq::Error>(())
+    /// ```
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        let op = "truncate";
+        if len > self.len {
+            return Err(Error::InvalidArgument {
+                op,
+                what: format!("cannot keep {len} tokens of a cache of {}", self.len),
+            });
+        }
+        if len == self.len {
+            return Ok(());
+        }
+        let cut = self.prepare_cut(op, len)?;
+        self.apply_cut(cut);
+        Ok(())
+    }
+
+    /// Everything [`truncate`](Self::truncate) to `len ≤ self.len()`
+    /// changes, computed and checked without changing the cache.
+    fn prepare_cut(&self, op: &'static str, len: usize) -> Result<Cut> {
+        let ((pk, rk), (pv, rv)) = (self.k.cut(len), self.v.cut(len));
+        let ek = self.k.tail_pending(op, &rk, pk)?;
+        let ev = self.v.tail_pending(op, &rv, pv)?;
+        Ok(Cut {
+            len,
+            k: (pk, rk, ek),
+            v: (pv, rv, ev),
+        })
+    }
+
+    fn apply_cut(&mut self, c: Cut) {
+        self.k.apply_cut(c.len, c.k.0, &c.k.1, c.k.2);
+        self.v.apply_cut(c.len, c.v.0, &c.v.1, c.v.2);
+        self.len = c.len;
     }
 
     /// Append one token: `k` and `v` are `[n_kv_heads·head_dim]`.

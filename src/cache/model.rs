@@ -76,6 +76,36 @@ impl KvCache {
             8.0 * self.bytes().total() as f64 / elems as f64
         }
     }
+    /// Keep the first `len` tokens of every layer
+    /// ([`LayerCache::truncate`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when a layer holds fewer than `len`
+    /// tokens. No layer changes on error.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        let op = "KvCache::truncate";
+        let cuts = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                if len > l.len() {
+                    return Err(Error::InvalidArgument {
+                        op,
+                        what: format!(
+                            "cannot keep {len} tokens of layer {i}, which holds {}",
+                            l.len()
+                        ),
+                    });
+                }
+                l.prepare_cut(op, len)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (l, c) in self.layers.iter_mut().zip(cuts) {
+            l.apply_cut(c);
+        }
+        Ok(())
+    }
     /// Forget all tokens in every layer.
     pub fn clear(&mut self) {
         self.layers.iter_mut().for_each(LayerCache::clear);

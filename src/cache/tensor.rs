@@ -35,8 +35,8 @@ impl PartialEq for Tensor {
             && self.packed == o.packed
             && self.codes == o.codes
             && self.params == o.params
-            && self.pend_min == o.pend_min
-            && self.pend_max == o.pend_max
+            && (!self.pending_live()
+                || (self.pend_min == o.pend_min && self.pend_max == o.pend_max))
     }
 }
 
@@ -77,6 +77,42 @@ impl Tensor {
             pend_min: if pc { vec![0.0; n_kv * hd] } else { Vec::new() },
             pend_max: if pc { vec![0.0; n_kv * hd] } else { Vec::new() },
         }
+    }
+
+    /// Whether the per-channel running range describes a block still
+    /// being filled (once a block completes, the next row resets it, so
+    /// its value is then of no consequence).
+    pub(super) fn pending_live(&self) -> bool {
+        match self.layout() {
+            Some(l) if !self.pend_min.is_empty() => {
+                !(self.packed + self.tail_rows()).is_multiple_of(l.block_tokens())
+            }
+            _ => false,
+        }
+    }
+
+    /// The per-channel running range of `tail`, the full-precision rows
+    /// after `packed` packed tokens, checked as an append of them would be
+    /// (so a later append never meets a block it cannot quantize).
+    pub(super) fn tail_pending(
+        &self,
+        op: &'static str,
+        tail: &[f32],
+        packed: usize,
+    ) -> Result<Pending> {
+        let mut p = (
+            vec![0.0; self.pend_min.len()],
+            vec![0.0; self.pend_max.len()],
+        );
+        // A non-empty tail follows every sink position.
+        self.check(
+            op,
+            tail,
+            abs_max_finite(tail).0,
+            self.sinks + packed,
+            &mut p,
+        )?;
+        Ok(p)
     }
 
     /// Whether the codec maps rows into another space.
@@ -239,15 +275,66 @@ impl Tensor {
         self.sink.truncate(m.sink);
         self.tail.truncate(m.tail);
         self.tail_start = m.tail_start;
-        self.packed = m.packed;
+        self.drop_packed(m.packed);
+    }
+
+    /// Keep the first `packed` packed tokens (a multiple of the unit).
+    fn drop_packed(&mut self, packed: usize) {
+        self.packed = packed;
         if let Some(l) = self.layout() {
-            let params = l.param_bytes(m.packed) / self.params.len();
+            let params = l.param_bytes(packed) / self.params.len();
             for c in &mut self.codes {
-                c.truncate(l.head_code_bytes(m.packed));
+                c.truncate(l.head_code_bytes(packed));
             }
             for p in &mut self.params {
                 p.truncate(params);
             }
+        }
+    }
+
+    /// The rows that positions `..n` leave after the packed region once
+    /// the cache is cut to `n` tokens, in the stored space, and how many
+    /// packed tokens stay. A cut inside a quantized unit (a per-channel
+    /// block) keeps the whole units before it packed and returns the cut
+    /// unit's surviving tokens decoded, so they rejoin the full-precision
+    /// tail (and are quantized again when their unit fills).
+    pub(super) fn cut(&self, n: usize) -> (usize, Vec<f32>) {
+        let w = self.width;
+        let n_sink = self.sink.len() / w;
+        let m = n.saturating_sub(n_sink);
+        if m >= self.packed {
+            let live = self.tail_slice();
+            return (self.packed, live[..(m - self.packed) * w].to_vec());
+        }
+        let unit = self.unit_or_1();
+        let keep = m / unit * unit;
+        let mut rows = vec![0f32; (m - keep) * w];
+        if let (Some(c), Some(l)) = (&self.codec, self.layout()) {
+            let hd = l.head_dim();
+            let mut tmp = vec![0f32; unit * hd];
+            for h in 0..w / hd {
+                let view = self.head(h).expect("packed tokens exist");
+                c.decode(&sub_view(view, keep, keep + unit), &mut tmp);
+                for t in 0..m - keep {
+                    rows[t * w + h * hd..][..hd].copy_from_slice(&tmp[t * hd..(t + 1) * hd]);
+                }
+            }
+        }
+        (keep, rows)
+    }
+
+    /// Cut to `n` positions: the sinks before `n`, `packed` packed tokens
+    /// and then `tail` (from [`cut`](Self::cut)), with the per-channel
+    /// running range `pend` of those rows.
+    pub(super) fn apply_cut(&mut self, n: usize, packed: usize, tail: &[f32], pend: Pending) {
+        let w = self.width;
+        self.sink.truncate(n.min(self.sink.len() / w) * w);
+        self.drop_packed(packed);
+        self.tail.clear();
+        self.tail.extend_from_slice(tail);
+        self.tail_start = 0;
+        if !self.pend_min.is_empty() {
+            (self.pend_min, self.pend_max) = pend;
         }
     }
 

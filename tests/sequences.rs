@@ -1,0 +1,646 @@
+//! What an engine does to a sequence besides appending: truncate
+//! (rollback), fork, save and load — against a shadow that keeps every
+//! token in f32, and against hostile bytes.
+
+mod common;
+
+use common::Rng;
+use kvq::cache::dense_attention;
+use kvq::{
+    presets, Axis, Backend, CacheConfig, Codec, Error, Group, KvCache, LayerCache, Mode,
+    QuantScheme, Rounding,
+};
+use proptest::prelude::*;
+
+const N_KV: usize = 2;
+const HD: usize = 64;
+const W: usize = N_KV * HD;
+
+fn scheme(bits: u8, axis: Axis, group: Group) -> QuantScheme {
+    QuantScheme::new(bits, axis, group).unwrap()
+}
+
+/// Configurations that reach every storage path: full precision, per-token
+/// and per-channel packing with and without residual window and sinks,
+/// shared params, rotation, ggml rounding, int8 kernels, "keep everything".
+fn configs() -> Vec<(&'static str, CacheConfig)> {
+    let base = CacheConfig::new(N_KV, HD);
+    let (k4, v4) = presets::kivi(4).unwrap();
+    let pc2 = scheme(2, Axis::PerChannel, Group::Size(16));
+    let pt8 = scheme(8, Axis::PerToken, Group::Size(32));
+    let vec8 = scheme(8, Axis::PerToken, Group::Vector)
+        .with_mode(Mode::Symmetric)
+        .unwrap();
+    vec![
+        ("full precision", base),
+        ("kivi-4", base.keys(k4).values(v4)),
+        (
+            "kivi-4 r16 s3",
+            base.keys(k4).values(v4).residual(16).sinks(3),
+        ),
+        ("k2 pc16 / full v, s2", base.keys(pc2).sinks(2)),
+        ("pt8 r5", base.keys(pt8).values(pt8).residual(5)),
+        (
+            "H·k4 / H·v4",
+            base.key_codec(Codec::hadamard(k4))
+                .value_codec(Codec::hadamard(v4))
+                .residual(7),
+        ),
+        ("q4_0", base.keys(presets::q4_0()).values(presets::q4_0())),
+        ("vector 8-bit sym", base.keys(vec8).values(vec8).sinks(1)),
+        (
+            "int8 kernels, scale",
+            base.keys(pt8)
+                .values(pt8)
+                .int8_kernels(true)
+                .softmax_scale(0.1),
+        ),
+        (
+            "residual max",
+            base.keys(k4).values(v4).residual(usize::MAX),
+        ),
+    ]
+}
+
+fn tokens(rng: &mut Rng, n: usize) -> (Vec<f32>, Vec<f32>) {
+    (rng.vec(n * W), rng.vec(n * W))
+}
+
+fn attend(c: &LayerCache, q: &[f32], n_q: usize) -> Vec<f32> {
+    let mut out = vec![0.0; n_q * HD];
+    c.attend(q, n_q, &mut out).unwrap();
+    out
+}
+
+fn scale(c: &LayerCache) -> f32 {
+    let s = 1.0 / (HD as f32).sqrt();
+    // The one configuration above that sets its own.
+    if c.config().uses_int8_kernels() {
+        0.1
+    } else {
+        s
+    }
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn saved(c: &LayerCache) -> Vec<u8> {
+    let mut b = Vec::new();
+    c.save(&mut b).unwrap();
+    assert_eq!(b.len(), c.saved_bytes());
+    b
+}
+
+#[test]
+fn truncate_keeps_the_kept_tokens_exactly() {
+    let mut rng = Rng::new(7);
+    for (name, cfg) in configs() {
+        for cut in [0, 1, 2, 3, 5, 16, 17, 31, 32, 33, 47, 64, 70, 99, 100] {
+            let mut c = LayerCache::new(cfg).unwrap();
+            let (k, v) = tokens(&mut rng, 100);
+            c.extend(&k, &v).unwrap();
+            let (bk, bv) = (c.keys_f32(), c.values_f32());
+            c.truncate(cut).unwrap();
+            // Sinks and packed tokens keep their values from here on;
+            // full-precision ones until their unit is quantized.
+            let fixed = [
+                cut.min(cfg.sink_len()) + c.packed_len().0,
+                cut.min(cfg.sink_len()) + c.packed_len().1,
+            ];
+            assert_eq!(c.len(), cut, "{name} cut {cut}");
+            assert_eq!(c.keys_f32(), bk[..cut * W], "{name} cut {cut}: keys");
+            assert_eq!(c.values_f32(), bv[..cut * W], "{name} cut {cut}: values");
+            // What attention reads is what the cache now holds, also after
+            // more tokens arrive (positions, windows and blocks line up).
+            let (k2, v2) = tokens(&mut rng, 45);
+            c.extend(&k2, &v2).unwrap();
+            assert_eq!(
+                c.keys_f32()[..fixed[0] * W],
+                bk[..fixed[0] * W],
+                "{name} cut {cut}"
+            );
+            assert_eq!(
+                c.values_f32()[..fixed[1] * W],
+                bv[..fixed[1] * W],
+                "{name} cut {cut}"
+            );
+            let q = rng.vec(4 * HD);
+            let want = dense_attention(&q, 4, &c.keys_f32(), &c.values_f32(), N_KV, HD, scale(&c));
+            let got = attend(&c, &q, 4);
+            // The int8 kernels round the query too.
+            let tol = if c.config().uses_int8_kernels() {
+                2e-2
+            } else {
+                2e-4
+            };
+            assert!(
+                max_diff(&got, &want) < tol,
+                "{name} cut {cut}: {}",
+                max_diff(&got, &want)
+            );
+        }
+    }
+}
+
+#[test]
+fn a_truncated_full_precision_cache_is_the_shorter_cache() {
+    let mut rng = Rng::new(8);
+    let cfg = CacheConfig::new(N_KV, HD).sinks(3);
+    for cut in [0, 2, 3, 4, 128] {
+        let (k, v) = tokens(&mut rng, 130);
+        let mut c = LayerCache::new(cfg).unwrap();
+        c.extend(&k[..128 * W], &v[..128 * W]).unwrap();
+        c.append(&k[128 * W..129 * W], &v[128 * W..129 * W])
+            .unwrap();
+        c.append(&k[129 * W..], &v[129 * W..]).unwrap();
+        c.truncate(cut).unwrap();
+        let mut fresh = LayerCache::new(cfg).unwrap();
+        fresh.extend(&k[..cut * W], &v[..cut * W]).unwrap();
+        assert!(c == fresh, "cut {cut}");
+        assert_eq!(saved(&c), saved(&fresh), "cut {cut}");
+    }
+}
+
+#[test]
+fn a_rejected_truncate_changes_nothing() {
+    let mut rng = Rng::new(9);
+    for (name, cfg) in configs() {
+        let mut c = LayerCache::new(cfg).unwrap();
+        let (k, v) = tokens(&mut rng, 40);
+        c.extend(&k, &v).unwrap();
+        let before = saved(&c);
+        let e = c.truncate(41);
+        assert!(
+            matches!(e, Err(Error::InvalidArgument { .. })),
+            "{name}: {e:?}"
+        );
+        assert_eq!(saved(&c), before, "{name}");
+    }
+    let cfg = CacheConfig::new(N_KV, HD);
+    let mut m = KvCache::uniform(3, cfg).unwrap();
+    let (k, v) = tokens(&mut rng, 10);
+    for i in 0..3 {
+        m.layer_mut(i)
+            .extend(&k[..(8 + i) * W], &v[..(8 + i) * W])
+            .unwrap();
+    }
+    // Layer 0 holds only 8: no layer is cut.
+    assert!(m.truncate(9).is_err());
+    assert_eq!((m.layer(1).len(), m.layer(2).len()), (9, 10));
+    m.truncate(8).unwrap();
+    assert!(m.layers().iter().all(|l| l.len() == 8));
+}
+
+#[test]
+fn save_and_load_round_trip_bit_exactly() {
+    let mut rng = Rng::new(10);
+    for (name, cfg) in configs() {
+        for n in [0, 1, 3, 40, 100] {
+            let mut c = LayerCache::new(cfg).unwrap();
+            let (k, v) = tokens(&mut rng, n);
+            c.extend(&k, &v).unwrap();
+            if n == 100 {
+                c.truncate(77).unwrap();
+            }
+            let b = saved(&c);
+            let back = LayerCache::load(&b[..]).unwrap();
+            assert!(back == c, "{name} n {n}");
+            if !c.is_empty() {
+                let q = rng.vec(2 * HD);
+                assert_eq!(attend(&back, &q, 2), attend(&c, &q, 2), "{name} n {n}");
+            }
+            // The loaded cache goes on as the original would.
+            let (k2, v2) = tokens(&mut rng, 20);
+            let (mut a, mut b2) = (c.clone(), back);
+            a.extend(&k2, &v2).unwrap();
+            b2.extend(&k2, &v2).unwrap();
+            assert!(a == b2, "{name} n {n}: after more tokens");
+        }
+    }
+}
+
+#[test]
+fn a_whole_model_round_trips_with_its_mixed_layers() {
+    let mut rng = Rng::new(11);
+    let cfgs: Vec<CacheConfig> = configs().into_iter().map(|(_, c)| c).collect();
+    let mut m = KvCache::new(cfgs).unwrap();
+    let (k, v) = tokens(&mut rng, 50);
+    for i in 0..m.n_layers() {
+        m.layer_mut(i).extend(&k, &v).unwrap();
+    }
+    let mut b = Vec::new();
+    m.save(&mut b).unwrap();
+    assert_eq!(b.len(), m.saved_bytes());
+    for backend in common::backends() {
+        let back = KvCache::load_on(&b[..], Some(backend), 1).unwrap();
+        assert_eq!(back.n_layers(), m.n_layers());
+        for (x, y) in back.layers().iter().zip(m.layers()) {
+            assert_eq!(saved(x), saved(y));
+            assert_eq!(x.backend(), backend);
+        }
+    }
+    // A model stream is not a layer stream, and the other way round.
+    assert!(matches!(
+        LayerCache::load(&b[..]),
+        Err(Error::Malformed { .. })
+    ));
+    let l = saved(m.layer(1));
+    assert!(matches!(
+        KvCache::load(&l[..]),
+        Err(Error::Malformed { .. })
+    ));
+}
+
+#[test]
+fn a_fork_is_independent_of_its_parent() {
+    let mut rng = Rng::new(12);
+    for (name, cfg) in configs() {
+        let mut parent = LayerCache::new(cfg).unwrap();
+        let (k, v) = tokens(&mut rng, 60);
+        parent.extend(&k, &v).unwrap();
+        let before = saved(&parent);
+        let mut child = parent.clone();
+        child.truncate(30).unwrap();
+        let (k2, v2) = tokens(&mut rng, 50);
+        child.extend(&k2, &v2).unwrap();
+        assert_eq!(saved(&parent), before, "{name}");
+        assert_eq!(child.len(), 80, "{name}");
+    }
+}
+
+// ---------------------------------------------------------------------
+// Hostile bytes.
+
+/// The checksum as `docs/FORMAT.md` section 7 defines it, written from
+/// the document.
+fn checksum(b: &[u8]) -> u64 {
+    const P: u64 = 0x0000_0100_0000_01b3;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for c in b.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(P);
+    }
+    (h ^ b.len() as u64).wrapping_mul(P)
+}
+
+/// Re-seal edited bytes with a matching checksum, so the content checks
+/// (not only the checksum) are what rejects them.
+fn reseal(b: &mut [u8]) {
+    let n = b.len() - 8;
+    let c = checksum(&b[..n]);
+    b[n..].copy_from_slice(&c.to_le_bytes());
+}
+
+fn put_u64(b: &mut [u8], at: usize, x: u64) {
+    b[at..at + 8].copy_from_slice(&x.to_le_bytes());
+}
+
+fn malformed(b: &[u8]) -> String {
+    match LayerCache::load(b) {
+        Err(Error::Malformed { what, .. }) => what,
+        r => panic!("expected Malformed, got {:?}", r.map(|c| c.len())),
+    }
+}
+
+/// Offsets: stream header 16, layer header 72 (len at 24), then the key
+/// tensor's row counts.
+const LEN_AT: usize = 16 + 24;
+const K_ROWS_AT: usize = 16 + 72;
+
+fn sample() -> (LayerCache, Vec<u8>) {
+    let mut rng = Rng::new(13);
+    let (k4, v4) = presets::kivi(4).unwrap();
+    let cfg = CacheConfig::new(N_KV, HD)
+        .keys(k4)
+        .values(v4)
+        .residual(8)
+        .sinks(2);
+    let mut c = LayerCache::new(cfg).unwrap();
+    let (k, v) = tokens(&mut rng, 45);
+    c.extend(&k, &v).unwrap();
+    let b = saved(&c);
+    (c, b)
+}
+
+#[test]
+fn the_sample_checksum_is_the_documented_one() {
+    let (_, b) = sample();
+    let n = b.len() - 8;
+    assert_eq!(b[n..], checksum(&b[..n]).to_le_bytes());
+}
+
+#[test]
+fn every_truncated_stream_is_rejected() {
+    let (_, b) = sample();
+    for n in 0..b.len() {
+        assert!(
+            LayerCache::load(&b[..n]).is_err(),
+            "{n} of {} bytes",
+            b.len()
+        );
+    }
+}
+
+#[test]
+fn every_flipped_bit_is_rejected() {
+    let (_, b) = sample();
+    for i in 0..b.len() {
+        for bit in [0, 7] {
+            let mut x = b.clone();
+            x[i] ^= 1 << bit;
+            assert!(LayerCache::load(&x[..]).is_err(), "byte {i} bit {bit}");
+        }
+    }
+}
+
+#[test]
+fn huge_claims_fail_without_allocating_for_them() {
+    let (_, b) = sample();
+    // 2^40 tokens.
+    let mut x = b.clone();
+    put_u64(&mut x, LEN_AT, 1 << 40);
+    reseal(&mut x);
+    assert!(malformed(&x).contains("tokens"));
+    // 2^32 − 1 tokens, with row counts to match: the stream ends long
+    // before; the buffers only grow as bytes arrive.
+    let mut x = b.clone();
+    let packed = (u32::MAX as u64 - 10) / 32 * 32;
+    put_u64(&mut x, LEN_AT, 2 + packed + 8);
+    put_u64(&mut x, K_ROWS_AT, 2);
+    put_u64(&mut x, K_ROWS_AT + 8, packed);
+    put_u64(&mut x, K_ROWS_AT + 16, 8);
+    reseal(&mut x);
+    let what = malformed(&x);
+    assert!(what.contains("ends inside"), "{what}");
+    // A model of 2^32 − 1 layers.
+    let cfg = CacheConfig::new(N_KV, HD);
+    let mut m = Vec::new();
+    KvCache::uniform(1, cfg).unwrap().save(&mut m).unwrap();
+    m[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+    reseal(&mut m);
+    assert!(matches!(
+        KvCache::load(&m[..]),
+        Err(Error::Malformed { .. })
+    ));
+}
+
+/// An edit of saved bytes.
+type Edit = Box<dyn Fn(&mut Vec<u8>)>;
+
+#[test]
+fn content_checks_behind_a_valid_checksum() {
+    let (c, b) = sample();
+    let (sink, packed, tail) = (2usize, 32usize, 11usize);
+    assert_eq!(c.len(), sink + packed + tail);
+    let at_k_sink = K_ROWS_AT + 24;
+    let at_k_codes = at_k_sink + sink * W * 4;
+    let l = presets::kivi(4).unwrap().0.layout(N_KV, HD).unwrap();
+    let at_k_params = at_k_codes + N_KV * l.head_code_bytes(packed);
+    let at_k_tail = at_k_params + l.param_bytes(packed);
+    let cases: Vec<(&str, Edit)> = vec![
+        ("magic", Box::new(|x| x[0] = b'X')),
+        ("version", Box::new(|x| x[4] = 9)),
+        ("reserved", Box::new(|x| x[6] = 1)),
+        (
+            "head_dim",
+            Box::new(|x| x[16 + 4..16 + 8].copy_from_slice(&60u32.to_le_bytes())),
+        ),
+        ("bits byte", Box::new(|x| x[16 + 40 + 1] = 0)),
+        ("rotation byte", Box::new(|x| x[16 + 40 + 7] = 5)),
+        ("row counts", Box::new(|x| put_u64(x, K_ROWS_AT + 8, 16))),
+        ("sinks", Box::new(|x| put_u64(x, K_ROWS_AT, 1))),
+        (
+            "not a whole block",
+            Box::new(|x| {
+                put_u64(x, K_ROWS_AT + 8, 31);
+                put_u64(x, K_ROWS_AT + 16, 12);
+            }),
+        ),
+        (
+            "nan sink",
+            Box::new(move |x| x[at_k_sink..at_k_sink + 4].copy_from_slice(&f32::NAN.to_le_bytes())),
+        ),
+        (
+            "nan scale",
+            Box::new(move |x| {
+                x[at_k_params..at_k_params + 2].copy_from_slice(&half::f16::NAN.to_le_bytes())
+            }),
+        ),
+        (
+            "negative scale",
+            Box::new(move |x| {
+                x[at_k_params..at_k_params + 2]
+                    .copy_from_slice(&half::f16::from_f32(-1.0).to_le_bytes())
+            }),
+        ),
+        (
+            "inf tail",
+            Box::new(move |x| {
+                x[at_k_tail..at_k_tail + 4].copy_from_slice(&f32::INFINITY.to_le_bytes())
+            }),
+        ),
+        // A residual row no f16 scale can hold: the append that would
+        // quantize it would fail, so the load does.
+        (
+            "unquantizable tail",
+            Box::new(move |x| {
+                x[at_k_tail + 4..at_k_tail + 8].copy_from_slice(&1e30f32.to_le_bytes())
+            }),
+        ),
+    ];
+    for (name, edit) in &cases {
+        let mut x = b.clone();
+        edit(&mut x);
+        reseal(&mut x);
+        let r = LayerCache::load(&x[..]);
+        assert!(
+            matches!(r, Err(Error::Malformed { .. })),
+            "{name}: {:?}",
+            r.map(|c| c.len())
+        );
+    }
+    // A tail longer than the window allows (residual 8, blocks of 32 for
+    // the keys): rows cannot be where appends never put them.
+    let mut rng = Rng::new(14);
+    let cfg = CacheConfig::new(N_KV, HD).keys(presets::q8_0()).residual(3);
+    let mut c = LayerCache::new(cfg).unwrap();
+    let (k, v) = tokens(&mut rng, 10);
+    c.extend(&k, &v).unwrap();
+    let mut x = saved(&c);
+    put_u64(&mut x, K_ROWS_AT + 8, 6);
+    put_u64(&mut x, K_ROWS_AT + 16, 4);
+    reseal(&mut x);
+    assert!(matches!(
+        LayerCache::load(&x[..]),
+        Err(Error::Malformed { .. })
+    ));
+}
+
+#[test]
+fn a_failing_writer_is_an_io_error() {
+    struct Full;
+    impl std::io::Write for Full {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                "disk full",
+            ))
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let (c, _) = sample();
+    assert!(matches!(
+        c.save(Full),
+        Err(Error::Io {
+            kind: std::io::ErrorKind::StorageFull,
+            ..
+        })
+    ));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Any edit of a saved stream, checksum re-sealed or not, loads or
+    /// fails with an error; it never panics.
+    #[test]
+    fn edited_streams_never_panic(
+        edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
+        seal in any::<bool>(),
+        cut in any::<usize>(),
+    ) {
+        let (_, b) = sample();
+        let mut x = b.clone();
+        for (at, val) in edits {
+            let i = at % x.len();
+            x[i] = val;
+        }
+        if seal {
+            reseal(&mut x);
+        }
+        let _ = LayerCache::load(&x[..]);
+        let n = cut % (x.len() + 1);
+        let _ = LayerCache::load(&x[..n]);
+    }
+}
+
+// ---------------------------------------------------------------------
+// Interleavings against a shadow.
+
+#[derive(Debug, Clone)]
+enum Op {
+    Append(usize),
+    Truncate(usize),
+    Fork,
+    SaveLoad,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (1usize..40).prop_map(Op::Append),
+        2 => (0usize..100).prop_map(Op::Truncate),
+        1 => Just(Op::Fork),
+        1 => Just(Op::SaveLoad),
+    ]
+}
+
+/// 8-bit schemes of every kind, and full precision (compared bit for bit).
+fn shadow_configs() -> Vec<CacheConfig> {
+    let base = CacheConfig::new(N_KV, HD);
+    let pc8 = scheme(8, Axis::PerChannel, Group::Size(16));
+    let pt8 = scheme(8, Axis::PerToken, Group::Size(32));
+    vec![
+        base,
+        base.keys(pc8).values(pt8),
+        base.keys(pc8).values(pt8).residual(9).sinks(2),
+        base.key_codec(Codec::hadamard(pt8)).values(pc8).residual(4),
+        base.keys(presets::q8_0()).values(presets::q8_0()).sinks(1),
+        base.keys(presets::q8_0().with_rounding(Rounding::Grid).unwrap()),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn any_interleaving_matches_the_shadow(
+        which in 0usize..6,
+        ops in proptest::collection::vec(op(), 1..24),
+        seed in any::<u64>(),
+    ) {
+        let cfg = shadow_configs()[which];
+        let exact = which == 0;
+        let mut rng = Rng::new(seed);
+        let mut c = LayerCache::new(cfg).unwrap();
+        let (mut sk, mut sv): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
+        let mut parents: Vec<(LayerCache, Vec<u8>)> = Vec::new();
+        for o in ops {
+            match o {
+                Op::Append(n) => {
+                    let (k, v) = tokens(&mut rng, n);
+                    if n == 1 {
+                        c.append(&k, &v).unwrap();
+                    } else {
+                        c.extend(&k, &v).unwrap();
+                    }
+                    sk.extend(k);
+                    sv.extend(v);
+                }
+                Op::Truncate(m) => {
+                    let m = m.min(c.len());
+                    c.truncate(m).unwrap();
+                    sk.truncate(m * W);
+                    sv.truncate(m * W);
+                }
+                Op::Fork => {
+                    // Go on with the copy; the parent must not change.
+                    parents.push((c.clone(), saved(&c)));
+                }
+                Op::SaveLoad => {
+                    let b = saved(&c);
+                    let back = LayerCache::load(&b[..]).unwrap();
+                    prop_assert!(back == c);
+                    c = back;
+                }
+            }
+            prop_assert_eq!(c.len() * W, sk.len());
+            if exact {
+                prop_assert_eq!(c.keys_f32(), sk.clone());
+                prop_assert_eq!(c.values_f32(), sv.clone());
+            }
+            if !c.is_empty() {
+                let q = rng.vec(4 * HD);
+                let got = attend(&c, &q, 4);
+                let want = dense_attention(&q, 4, &sk, &sv, N_KV, HD, 1.0 / 8.0);
+                let d = max_diff(&got, &want);
+                // 8 bits, values in [−1, 1]: a step of at most 2/255 per
+                // element, half of it per rounding, two roundings for
+                // re-sealed per-channel tokens.
+                let tol = if exact { 1e-5 } else { 0.03 };
+                prop_assert!(d < tol, "{:?} diff {}", cfg, d);
+            }
+        }
+        for (p, b) in &parents {
+            prop_assert_eq!(&saved(p), b);
+        }
+    }
+}
+
+#[test]
+fn load_on_picks_the_backend() {
+    let (c, b) = sample();
+    let back = LayerCache::load_on(&b[..], Some(Backend::Portable), 1).unwrap();
+    assert_eq!(back.backend(), Backend::Portable);
+    let q = Rng::new(3).vec(HD * 2);
+    let d = max_diff(&attend(&back, &q, 2), &attend(&c, &q, 2));
+    assert!(d < 1e-5, "{d}");
+}
