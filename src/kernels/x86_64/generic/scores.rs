@@ -114,12 +114,12 @@ pub(crate) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                             if const { HD > 0 } && fused {
                                 let (qp, ap) = (qs.s().as_ptr(), accbuf.m().as_mut_ptr());
                                 match (i, nib, &mut t3) {
-                                    (0, true, _) => fused_scores_tile::<S, B, Raw, true>(
+                                    (0, true, _) => fused_scores_tile::<S, B, Raw, true, HD>(
                                         s, g, rows, n, Raw, qp, nq, ap, ah,
                                     ),
                                     (0, false, Some(t3)) => {
                                         let r8 = t3.load(s, rows, g.rb, n);
-                                        fused_scores_tile::<S, 8, Raw, false>(
+                                        fused_scores_tile::<S, 8, Raw, false, HD>(
                                             s,
                                             t3.geo(g),
                                             r8,
@@ -131,7 +131,7 @@ pub(crate) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                                             ah,
                                         )
                                     }
-                                    (0, false, None) => fused_scores_tile::<S, B, Raw, false>(
+                                    (0, false, None) => fused_scores_tile::<S, B, Raw, false, HD>(
                                         s, g, rows, n, Raw, qp, nq, ap, ah,
                                     ),
                                     _ => {}
@@ -178,7 +178,7 @@ pub(crate) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                         _ if const { HD > 0 } && fused => match &mut t3 {
                             Some(t3) => {
                                 let r8 = t3.load(s, rows, g.rb, n);
-                                fused_scores_tile::<S, 8, PerToken, false>(
+                                fused_scores_tile::<S, 8, PerToken, false, HD>(
                                     s,
                                     t3.geo(g),
                                     r8,
@@ -190,7 +190,7 @@ pub(crate) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
                                     tp.ahead(head, t0),
                                 )
                             }
-                            None => fused_scores_tile::<S, B, PerToken, false>(
+                            None => fused_scores_tile::<S, B, PerToken, false, HD>(
                                 s,
                                 g,
                                 rows,
