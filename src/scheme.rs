@@ -699,6 +699,11 @@ impl Layout {
     }
 }
 
+/// The most KV heads a layout, quantizer or cache takes.
+pub const MAX_HEADS: usize = 1 << 16;
+/// The largest `head_dim` a layout, quantizer or cache takes.
+pub const MAX_HEAD_DIM: usize = 1 << 16;
+
 /// Shape check shared by every operation that takes `n_kv_heads`/`head_dim`.
 pub(crate) fn check_shape(op: &'static str, n_kv_heads: usize, head_dim: usize) -> Result<()> {
     if n_kv_heads == 0 {
@@ -713,16 +718,15 @@ pub(crate) fn check_shape(op: &'static str, n_kv_heads: usize, head_dim: usize) 
             what: format!("head_dim must be a positive multiple of 8, got {head_dim}"),
         });
     }
-    // A token's row of f32 must be addressable, and each count fits the
-    // serialized header's 32 bits.
-    let row_bytes = n_kv_heads
-        .checked_mul(head_dim)
-        .and_then(|w| w.checked_mul(4));
-    if row_bytes.is_none() || u32::try_from(n_kv_heads).is_err() || u32::try_from(head_dim).is_err()
-    {
+    // Far above any model (128 heads of 576 channels is the widest in
+    // use), and low enough that what a cache allocates per head and per
+    // channel before its first token stays small for any accepted shape.
+    if n_kv_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM {
         return Err(Error::InvalidShape {
             op,
-            what: format!("{n_kv_heads} heads of {head_dim} channels do not fit"),
+            what: format!(
+                "{n_kv_heads} heads of {head_dim} channels: kvq takes at most {MAX_HEADS} heads of at most {MAX_HEAD_DIM}"
+            ),
         });
     }
     Ok(())

@@ -129,9 +129,16 @@ pub struct LayerCache {
 }
 
 impl PartialEq for LayerCache {
-    /// Equal when configuration, length and every stored byte agree.
+    /// Equal when the configuration (apart from the backend and thread
+    /// count, which say how to run, not what is stored), the length and
+    /// every stored byte agree.
     fn eq(&self, o: &Self) -> bool {
-        self.cfg == o.cfg && self.len == o.len && self.k == o.k && self.v == o.v
+        let content = |c: &CacheConfig| CacheConfig {
+            backend: None,
+            threads: 0,
+            ..*c
+        };
+        content(&self.cfg) == content(&o.cfg) && self.len == o.len && self.k == o.k && self.v == o.v
     }
 }
 

@@ -423,7 +423,19 @@ fn errors_sizes_that_do_not_fit() {
     use kvq::{CacheConfig, LayerCache};
     let s = QuantScheme::new(4, Axis::PerToken, Group::Size(32)).unwrap();
     // Heads × channels beyond the address space.
-    for (n_kv, hd) in [(usize::MAX / 8, 64), (1 << 40, 1 << 30), (2, 1 << 62)] {
+    // And shapes past kvq's limits, which would fit but make a cache
+    // allocate per head before its first token (2^31 heads: 51 GB of
+    // empty per-head buffers).
+    let too_many = kvq::scheme::MAX_HEADS + 1;
+    let too_wide = kvq::scheme::MAX_HEAD_DIM + 8;
+    for (n_kv, hd) in [
+        (usize::MAX / 8, 64),
+        (1 << 40, 1 << 30),
+        (2, 1 << 62),
+        (1 << 31, 64),
+        (too_many, 8),
+        (8, too_wide),
+    ] {
         assert!(
             matches!(s.layout(n_kv, hd), Err(Error::InvalidShape { .. })),
             "{n_kv}x{hd}"
