@@ -5,7 +5,7 @@
 mod common;
 
 use common::Rng;
-use kvq::cache::dense_attention;
+use kvq::cache::{dense_attention, resident_bytes};
 use kvq::{
     presets, Axis, Backend, CacheConfig, Codec, Error, Group, KvCache, LayerCache, Mode,
     QuantScheme, Rounding,
@@ -602,8 +602,11 @@ proptest! {
                     sv.truncate(m * W);
                 }
                 Op::Fork => {
-                    // Go on with the copy; the parent must not change.
-                    parents.push((c.clone(), saved(&c)));
+                    // Go on with the fork; the parent must not change.
+                    let child = c.fork();
+                    prop_assert!(child == c);
+                    let snapshot = saved(&c);
+                    parents.push((std::mem::replace(&mut c, child), snapshot));
                 }
                 Op::SaveLoad => {
                     let b = saved(&c);
@@ -643,4 +646,162 @@ fn load_on_picks_the_backend() {
     let q = Rng::new(3).vec(HD * 2);
     let d = max_diff(&attend(&back, &q, 2), &attend(&c, &q, 2));
     assert!(d < 1e-5, "{d}");
+}
+
+// ---------------------------------------------------------------------
+// Forks share their prefix and are otherwise invisible.
+
+#[derive(Debug, Clone)]
+enum SeqOp {
+    Append(usize, usize),
+    Truncate(usize, usize),
+    Fork(usize),
+}
+
+fn seq_op() -> impl Strategy<Value = SeqOp> {
+    prop_oneof![
+        5 => (any::<usize>(), prop_oneof![1usize..4, 100usize..400]).prop_map(|(s, n)| SeqOp::Append(s, n)),
+        2 => (any::<usize>(), any::<usize>()).prop_map(|(s, m)| SeqOp::Truncate(s, m)),
+        2 => any::<usize>().prop_map(SeqOp::Fork),
+    ]
+}
+
+/// Keys and values of an append.
+type Rows = (Vec<f32>, Vec<f32>);
+
+/// What a sequence did (an append, or a truncate to a length), replayed
+/// on a cache that never forked.
+#[derive(Clone, Default)]
+struct History(Vec<(Option<Rows>, usize)>);
+
+fn replay(cfg: CacheConfig, h: &History) -> LayerCache {
+    let mut c = LayerCache::new(cfg).unwrap();
+    for (op, m) in &h.0 {
+        match op {
+            Some((k, v)) => c.extend(k, v).unwrap(),
+            None => c.truncate(*m).unwrap(),
+        }
+    }
+    c
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Many sequences forking from each other: each one equals, byte for
+    /// byte, a cache that did the same appends and truncates without ever
+    /// forking, and attends the same to rounding.
+    #[test]
+    fn forks_are_invisible(
+        which in 0usize..4,
+        ops in proptest::collection::vec(seq_op(), 1..20),
+        seed in any::<u64>(),
+    ) {
+        let (k4, v4) = presets::kivi(4).unwrap();
+        let pc2 = scheme(2, Axis::PerChannel, Group::Size(16));
+        let cfg = [
+            CacheConfig::new(N_KV, HD).keys(k4).values(v4),
+            CacheConfig::new(N_KV, HD).keys(k4).values(v4).residual(20).sinks(3),
+            CacheConfig::new(N_KV, HD).key_codec(Codec::hadamard(presets::q4_0())).values(pc2),
+            CacheConfig::new(N_KV, HD).sinks(2),
+        ][which];
+        let mut rng = Rng::new(seed);
+        let mut seqs = vec![(LayerCache::new(cfg).unwrap(), History::default())];
+        let cut = ops.iter().any(|o| matches!(o, SeqOp::Truncate(..)));
+        for o in ops {
+            let i = match o {
+                SeqOp::Append(s, n) => {
+                    let i = s % seqs.len();
+                    let (k, v) = tokens(&mut rng, n);
+                    seqs[i].0.extend(&k, &v).unwrap();
+                    seqs[i].1 .0.push((Some((k, v)), 0));
+                    i
+                }
+                SeqOp::Truncate(s, m) => {
+                    let i = s % seqs.len();
+                    let m = m % (seqs[i].0.len() + 1);
+                    seqs[i].0.truncate(m).unwrap();
+                    seqs[i].1 .0.push((None, m));
+                    i
+                }
+                SeqOp::Fork(s) => {
+                    let i = s % seqs.len();
+                    let child = seqs[i].0.fork();
+                    let h = seqs[i].1.clone();
+                    seqs.push((child, h));
+                    seqs.len() - 1
+                }
+            };
+            let (c, h) = &seqs[i];
+            let fresh = replay(cfg, h);
+            prop_assert!(*c == fresh, "sequence {}", i);
+            prop_assert_eq!(saved(c), saved(&fresh));
+            if !c.is_empty() {
+                let q = rng.vec(2 * HD);
+                let d = max_diff(&attend(c, &q, 2), &attend(&fresh, &q, 2));
+                prop_assert!(d < 1e-5, "sequence {} diff {}", i, d);
+            }
+        }
+        let all: Vec<&LayerCache> = seqs.iter().map(|s| &s.0).collect();
+        let sum: usize = all.iter().map(|c| c.bytes().total()).sum();
+        let max = all.iter().map(|c| c.bytes().total()).max().unwrap();
+        let resident = resident_bytes(all.iter().copied()).total();
+        // Every cache's bytes are resident; shared ones count once, so
+        // without cuts (which leave a shortened segment whole) the total
+        // is at most the caches' sum.
+        prop_assert!(resident >= max, "{} < {}", resident, max);
+        if !cut {
+            prop_assert!(resident <= sum, "{} > {}", resident, sum);
+        }
+    }
+}
+
+#[test]
+fn forks_share_the_prompt() {
+    let mut rng = Rng::new(15);
+    let (k4, v4) = presets::kivi(4).unwrap();
+    let cfg = CacheConfig::new(N_KV, HD)
+        .keys(k4)
+        .values(v4)
+        .residual(32)
+        .sinks(4);
+    let mut prompt = LayerCache::new(cfg).unwrap();
+    let (k, v) = tokens(&mut rng, 4096);
+    prompt.extend(&k, &v).unwrap();
+    let one = prompt.bytes().total();
+    let mut beams: Vec<LayerCache> = (0..8).map(|_| prompt.fork()).collect();
+    // Shared: eight forks cost their windows and sinks, not eight prompts.
+    let r = resident_bytes(beams.iter().chain([&prompt])).total();
+    let window = (32 + 31 + 4) * 2 * W * 4;
+    assert!(r <= one + 8 * window, "{r} against {one}");
+    for b in &mut beams {
+        let (k2, v2) = tokens(&mut rng, 300);
+        b.extend(&k2, &v2).unwrap();
+    }
+    // Attention over the segments (the shared prompt, then the beam's
+    // own tokens; threads split them) equals a cache that never forked.
+    let mut alone = LayerCache::new(cfg).unwrap();
+    alone.extend(&k, &v).unwrap();
+    let mut b1 = prompt.fork();
+    let (k3, v3) = tokens(&mut rng, 300);
+    b1.extend(&k3, &v3).unwrap();
+    alone.extend(&k3, &v3).unwrap();
+    assert!(b1 == alone);
+    let q = rng.vec(4 * HD);
+    assert!(max_diff(&attend(&b1, &q, 4), &attend(&alone, &q, 4)) < 1e-5);
+    let r2 = resident_bytes(beams.iter().chain([&prompt])).total();
+    let own: usize = beams.iter().map(|b| b.bytes().total() - one).sum();
+    assert!(r2 <= one + own + 8 * window, "{r2}");
+    // A beam cut back into the prompt reads the shared bytes, unchanged.
+    let before = prompt.keys_f32();
+    beams[0].truncate(1000).unwrap();
+    assert_eq!(beams[0].keys_f32(), before[..1000 * W]);
+    assert_eq!(prompt.keys_f32(), before);
+    // And saves as one contiguous cache.
+    let back = LayerCache::load(&saved(&beams[0])[..]).unwrap();
+    assert!(back == beams[0]);
+    let mut m = KvCache::uniform(2, cfg).unwrap();
+    m.layer_mut(0).extend(&k, &v).unwrap();
+    let f = m.fork();
+    assert!(f.layer(0) == m.layer(0));
 }

@@ -194,7 +194,7 @@ fn ops(x: &[u8]) -> String {
     while !c.exhausted() && steps < 24 {
         steps += 1;
         let before = cache.clone();
-        let r: Result<(), kvq::Error> = match c.below(8) {
+        let r: Result<(), kvq::Error> = match c.below(9) {
             0 | 1 => {
                 let n = if c.u8() < 230 { w } else { c.count(3 * w) };
                 let k: Vec<f32> = (0..n.min(4 * w)).map(|_| c.value()).collect();
@@ -257,6 +257,13 @@ fn ops(x: &[u8]) -> String {
                     c.count(1 << 20)
                 };
                 cache.truncate(n)
+            }
+            7 => {
+                // Go on with a fork: it must be the same cache.
+                let f = cache.fork();
+                assert!(f == cache, "a fork differs from its parent");
+                cache = f;
+                Ok(())
             }
             _ => {
                 let mut b = Vec::new();

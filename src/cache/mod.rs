@@ -105,6 +105,26 @@ struct Scratch {
     pend: [(Vec<f32>, Vec<f32>); 2],
 }
 
+/// Bytes `caches` hold together: each cache's own rows and packed
+/// buffers, and every packed segment that forks share
+/// ([`LayerCache::fork`]) once, whole (a segment a truncate shortened
+/// still holds all its bytes while any cache refers to it).
+pub fn resident_bytes<'a>(caches: impl IntoIterator<Item = &'a LayerCache>) -> CacheBytes {
+    let mut seen = std::collections::HashSet::new();
+    let mut total = CacheBytes::default();
+    for c in caches {
+        for t in [&c.k, &c.v] {
+            total = total + t.own_bytes();
+            for (id, b) in t.segments() {
+                if seen.insert(id) {
+                    total = total + b;
+                }
+            }
+        }
+    }
+    total
+}
+
 /// A checked [`LayerCache::truncate`]: the new length and, for each of K
 /// and V, the packed tokens kept, the new full-precision tail and its
 /// running range.
@@ -207,6 +227,47 @@ impl LayerCache {
         self.len = 0;
         self.k.clear();
         self.v.clear();
+    }
+
+    /// A copy of the cache that shares its packed tokens with this one
+    /// instead of copying them (beam search, parallel sampling, a prompt
+    /// prefix reused by many requests).
+    ///
+    /// The packed tokens so far are frozen into a segment both caches
+    /// hold (reference-counted, never written again); each then appends
+    /// into buffers of its own, and `truncate` shortens its view of a
+    /// segment without touching it. Sinks and the residual window (a few
+    /// hundred rows at most) are copied, as are packed tokens appended
+    /// since the last freeze when there are fewer than 256 of them (so
+    /// every segment is long enough to attend efficiently: each is one
+    /// kernel call per head). A fork equals the original byte for byte
+    /// ([`PartialEq`], [`save`](Self::save)) and goes on exactly as the
+    /// original would; [`resident_bytes`] counts shared segments once.
+    /// (`clone()` also shares segments frozen by earlier forks, and
+    /// copies the rest.)
+    ///
+    /// # Example
+    /// ```
+    /// use kvq::{cache::resident_bytes, presets, CacheConfig, LayerCache};
+    /// let (keys, values) = presets::kivi(4)?;
+    /// let mut prompt = LayerCache::new(CacheConfig::new(2, 64).keys(keys).values(values))?;
+    /// let row: Vec<f32> = (0..128).map(|c| (c % 5) as f32 / 5.0).collect();
+    /// for _ in 0..2000 {
+    ///     prompt.append(&row, &row)?;
+    /// }
+    /// let mut beams: Vec<LayerCache> = (0..4).map(|_| prompt.fork()).collect();
+    /// for b in &mut beams {
+    ///     b.append(&row, &row)?;
+    /// }
+    /// let alone = prompt.bytes().total() * 5;
+    /// let shared = resident_bytes(beams.iter().chain([&prompt])).total();
+    /// assert!(shared < alone / 3);
+    /// # Ok::<(), kvq::Error>(())
+    /// ```
+    pub fn fork(&mut self) -> LayerCache {
+        self.k.freeze();
+        self.v.freeze();
+        self.clone()
     }
 
     /// Keep the first `len` tokens and drop the rest: the rejected draft

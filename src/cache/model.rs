@@ -76,6 +76,12 @@ impl KvCache {
             8.0 * self.bytes().total() as f64 / elems as f64
         }
     }
+    /// A copy sharing every layer's packed tokens ([`LayerCache::fork`]).
+    pub fn fork(&mut self) -> KvCache {
+        KvCache {
+            layers: self.layers.iter_mut().map(LayerCache::fork).collect(),
+        }
+    }
     /// Keep the first `len` tokens of every layer
     /// ([`LayerCache::truncate`]).
     ///

@@ -324,11 +324,11 @@ impl Tensor {
         };
         o.put(bytemuck::bytes_of(&h))?;
         o.put_f32(&self.sink)?;
-        for c in &self.codes {
-            o.put(c)?;
+        for h in 0..self.codes.len() {
+            o.put(&self.head_codes(h))?;
         }
-        for p in &self.params {
-            o.put(p)?;
+        for i in 0..self.params.len() {
+            o.put(&self.param_buf(i))?;
         }
         o.put_f32(self.tail_slice())
     }

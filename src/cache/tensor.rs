@@ -15,15 +15,39 @@ pub(super) struct Tensor {
     /// Full-precision tail rows; live rows start at `tail_start`.
     pub(super) tail: Vec<f32>,
     pub(super) tail_start: usize,
-    /// Packed tokens.
+    /// Packed tokens: those of the frozen segments, then the live ones.
     pub(super) packed: usize,
-    /// Per head codes (and params, or one shared param buffer).
+    /// Packed tokens frozen by [`LayerCache::fork`], oldest first: shared
+    /// by every fork that holds them, never written again.
+    pub(super) frozen: Vec<Segment>,
+    /// The live packed tokens after the frozen ones: per head codes (and
+    /// params, or one shared param buffer).
     pub(super) codes: Vec<Vec<u8>>,
     pub(super) params: Vec<Vec<u8>>,
     /// Per-channel: running min/max of the block being filled.
     pub(super) pend_min: Vec<f32>,
     pub(super) pend_max: Vec<f32>,
 }
+
+/// Packed buffers frozen by a fork (the live buffers' shape).
+#[derive(Debug)]
+pub(super) struct Frozen {
+    codes: Vec<Vec<u8>>,
+    params: Vec<Vec<u8>>,
+}
+
+/// The first `tokens` tokens of a frozen buffer set (a truncate may leave
+/// fewer than it holds; never more).
+#[derive(Debug, Clone)]
+pub(super) struct Segment {
+    data: Arc<Frozen>,
+    tokens: usize,
+}
+
+/// Live packed tokens below which a fork copies them instead of freezing
+/// them into a shared segment, so segments (each a kernel call per head
+/// when attending) stay long.
+const FREEZE_MIN_TOKENS: usize = 256;
 
 impl PartialEq for Tensor {
     /// Equal when every stored number agrees (ignoring spare capacity and
@@ -33,8 +57,8 @@ impl PartialEq for Tensor {
             && self.sink == o.sink
             && self.tail_slice() == o.tail_slice()
             && self.packed == o.packed
-            && self.codes == o.codes
-            && self.params == o.params
+            && (0..self.codes.len()).all(|h| self.head_codes(h) == o.head_codes(h))
+            && (0..self.params.len()).all(|i| self.param_buf(i) == o.param_buf(i))
             && (!self.pending_live()
                 || (self.pend_min == o.pend_min && self.pend_max == o.pend_max))
     }
@@ -72,6 +96,7 @@ impl Tensor {
             tail: Vec::new(),
             tail_start: 0,
             packed: 0,
+            frozen: Vec::new(),
             codes: vec![Vec::new(); n_kv],
             params: vec![Vec::new(); np],
             pend_min: if pc { vec![0.0; n_kv * hd] } else { Vec::new() },
@@ -279,17 +304,133 @@ impl Tensor {
     }
 
     /// Keep the first `packed` packed tokens (a multiple of the unit).
+    /// Frozen segments are shortened, never written.
     fn drop_packed(&mut self, packed: usize) {
+        let mut left = packed;
+        self.frozen.retain_mut(|seg| {
+            seg.tokens = seg.tokens.min(left);
+            left -= seg.tokens;
+            seg.tokens > 0
+        });
         self.packed = packed;
         if let Some(l) = self.layout() {
-            let params = l.param_bytes(packed) / self.params.len();
+            let params = l.param_bytes(left) / self.params.len();
             for c in &mut self.codes {
-                c.truncate(l.head_code_bytes(packed));
+                c.truncate(l.head_code_bytes(left));
             }
             for p in &mut self.params {
                 p.truncate(params);
             }
         }
+    }
+
+    /// Packed tokens in frozen segments.
+    pub(super) fn frozen_tokens(&self) -> usize {
+        self.frozen.iter().map(|s| s.tokens).sum()
+    }
+
+    /// Freeze the live packed tokens into a shared segment (when there
+    /// are enough of them), so a clone shares them instead of copying.
+    pub(super) fn freeze(&mut self) {
+        let live = self.packed - self.frozen_tokens();
+        if live < FREEZE_MIN_TOKENS {
+            return;
+        }
+        let (nc, np) = (self.codes.len(), self.params.len());
+        let data = Frozen {
+            codes: std::mem::replace(&mut self.codes, vec![Vec::new(); nc]),
+            params: std::mem::replace(&mut self.params, vec![Vec::new(); np]),
+        };
+        self.frozen.push(Segment {
+            data: Arc::new(data),
+            tokens: live,
+        });
+    }
+
+    /// Bytes of param buffer `i` for `t` tokens.
+    fn param_len(&self, l: &Layout, t: usize) -> usize {
+        l.param_bytes(t) / self.params.len()
+    }
+
+    /// Head `h`'s packed tokens as views, each with its first packed
+    /// position: one per frozen segment, then the live tokens.
+    pub(super) fn views(&self, h: usize) -> Vec<(usize, PackedHead<'_>)> {
+        let Some(l) = self.layout() else {
+            return Vec::new();
+        };
+        let pi = if l.shared_params() { 0 } else { h };
+        let live = self.packed - self.frozen_tokens();
+        let parts = self
+            .frozen
+            .iter()
+            .map(|seg| {
+                let t = seg.tokens;
+                let (c, p) = (&seg.data.codes[h], &seg.data.params[pi]);
+                (t, &c[..l.head_code_bytes(t)], &p[..self.param_len(&l, t)])
+            })
+            .chain(std::iter::once((
+                live,
+                &self.codes[h][..],
+                &self.params[pi][..],
+            )));
+        let mut out = Vec::with_capacity(self.frozen.len() + 1);
+        let mut start = 0;
+        for (t, codes, params) in parts.filter(|p| p.0 > 0) {
+            let v = PackedHead::new(l, t, codes, params).expect("cache keeps consistent buffers");
+            out.push((start, v));
+            start += t;
+        }
+        out
+    }
+
+    /// Head `h`'s packed codes, all segments in order.
+    pub(super) fn head_codes(&self, h: usize) -> Vec<u8> {
+        let Some(l) = self.layout() else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(l.head_code_bytes(self.packed));
+        for seg in &self.frozen {
+            out.extend_from_slice(&seg.data.codes[h][..l.head_code_bytes(seg.tokens)]);
+        }
+        out.extend_from_slice(&self.codes[h]);
+        out
+    }
+
+    /// Param buffer `i`, all segments in order.
+    pub(super) fn param_buf(&self, i: usize) -> Vec<u8> {
+        let Some(l) = self.layout() else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(self.param_len(&l, self.packed));
+        for seg in &self.frozen {
+            out.extend_from_slice(&seg.data.params[i][..self.param_len(&l, seg.tokens)]);
+        }
+        out.extend_from_slice(&self.params[i]);
+        out
+    }
+
+    /// Bytes this tensor holds alone: sink and residual rows, live packed
+    /// codes and params (frozen segments are in [`segments`](Self::segments)).
+    pub(super) fn own_bytes(&self) -> CacheBytes {
+        CacheBytes {
+            codes: self.codes.iter().map(Vec::len).sum(),
+            params: self.params.iter().map(Vec::len).sum(),
+            full_precision: (self.sink.len() + self.tail_rows() * self.width) * 4,
+        }
+    }
+
+    /// Each frozen segment's buffers (an identity for counting a shared
+    /// one once) and the codes and param bytes they hold, whole.
+    pub(super) fn segments(&self) -> impl Iterator<Item = (*const Frozen, CacheBytes)> + '_ {
+        self.frozen.iter().map(|seg| {
+            let d = &seg.data;
+            let bytes = CacheBytes {
+                codes: d.codes.iter().map(Vec::len).sum(),
+                params: d.params.iter().map(Vec::len).sum(),
+                full_precision: 0,
+            };
+            (Arc::as_ptr(d), bytes)
+        })
     }
 
     /// The rows that positions `..n` leave after the packed region once
@@ -313,8 +454,12 @@ impl Tensor {
             let hd = l.head_dim();
             let mut tmp = vec![0f32; unit * hd];
             for h in 0..w / hd {
-                let view = self.head(h).expect("packed tokens exist");
-                c.decode(&sub_view(view, keep, keep + unit), &mut tmp);
+                let (s0, view) = self
+                    .views(h)
+                    .into_iter()
+                    .rfind(|(s0, _)| *s0 <= keep)
+                    .expect("packed tokens exist");
+                c.decode(&sub_view(view, keep - s0, keep - s0 + unit), &mut tmp);
                 for t in 0..m - keep {
                     rows[t * w + h * hd..][..hd].copy_from_slice(&tmp[t * hd..(t + 1) * hd]);
                 }
@@ -416,12 +561,18 @@ impl Tensor {
         }
         let (x0, x1) = clip(n_sink, p_end);
         if x0 < x1 {
-            let view = self.head(h).expect("packed tokens exist");
-            out.push(Section {
-                start: x0,
-                len: x1 - x0,
-                data: SectionData::Packed(sub_view(view, x0 - n_sink, x1 - n_sink)),
-            });
+            for (s0, view) in self.views(h) {
+                // The segment's positions, clipped to `x0..x1`.
+                let (v0, v1) = (n_sink + s0, n_sink + s0 + view.tokens());
+                let (y0, y1) = (x0.max(v0), x1.min(v1));
+                if y0 < y1 {
+                    out.push(Section {
+                        start: y0,
+                        len: y1 - y0,
+                        data: SectionData::Packed(sub_view(view, y0 - v0, y1 - v0)),
+                    });
+                }
+            }
         }
         let (x0, x1) = clip(p_end, t_end);
         if x0 < x1 {
@@ -434,26 +585,11 @@ impl Tensor {
         out
     }
 
-    pub(super) fn head(&self, h: usize) -> Option<PackedHead<'_>> {
-        let l = self.layout()?;
-        if self.packed == 0 {
-            return None;
-        }
-        let p = if l.shared_params() {
-            &self.params[0]
-        } else {
-            &self.params[h]
-        };
-        Some(
-            PackedHead::new(l, self.packed, &self.codes[h], p)
-                .expect("cache keeps consistent buffers"),
-        )
-    }
-
     pub(super) fn bytes(&self) -> CacheBytes {
+        let l = self.layout();
         CacheBytes {
-            codes: self.codes.iter().map(Vec::len).sum(),
-            params: self.params.iter().map(Vec::len).sum(),
+            codes: l.map_or(0, |l| l.code_bytes(self.packed)),
+            params: l.map_or(0, |l| l.param_bytes(self.packed)),
             full_precision: (self.sink.len() + self.tail_rows() * self.width) * 4,
         }
     }
@@ -463,6 +599,7 @@ impl Tensor {
         self.tail.clear();
         self.tail_start = 0;
         self.packed = 0;
+        self.frozen.clear();
         self.codes.iter_mut().for_each(Vec::clear);
         self.params.iter_mut().for_each(Vec::clear);
     }
@@ -476,12 +613,13 @@ impl Tensor {
             let n_kv = self.width / hd;
             let base = out.len();
             out.resize(base + self.packed * self.width, 0.0);
-            let mut tmp = vec![0f32; self.packed * hd];
+            let mut tmp = Vec::new();
             for h in 0..n_kv {
-                if let Some(view) = self.head(h) {
+                for (s0, view) in self.views(h) {
+                    tmp.resize(view.tokens() * hd, 0.0);
                     c.decode(&view, &mut tmp);
-                    for t in 0..self.packed {
-                        let o = base + t * self.width + h * hd;
+                    for t in 0..view.tokens() {
+                        let o = base + (s0 + t) * self.width + h * hd;
                         out[o..o + hd].copy_from_slice(&tmp[t * hd..(t + 1) * hd]);
                     }
                 }

@@ -138,7 +138,9 @@ fn bytes_header_multibyte_fields_and_unaligned_input() {
     malformed(with(21, 0), "of 3x128, body has"); // a group of 128 fits, the sizes do not
     malformed(with(13, 1), "body has"); // groups of 384: fewer params
     malformed(with(14, 1), "65664"); // does not divide head_dim
-    malformed(with(18, 1), "header says 258 tokens of 65539x384");
+    malformed(with(17, 1), "header says 258 tokens of 259x384");
+    // Past kvq's 2^16 heads: rejected as a shape before any size is computed.
+    malformed(with(18, 1), "65539 heads of 384 channels");
 }
 
 #[test]
