@@ -5,7 +5,7 @@
 mod common;
 
 use common::Rng;
-use kvq::cache::{dense_attention, resident_bytes};
+use kvq::cache::{attend_batch, dense_attention, resident_bytes};
 use kvq::{
     presets, Axis, Backend, CacheConfig, Codec, Error, Group, KvCache, LayerCache, Mode,
     QuantScheme, Rounding,
@@ -804,4 +804,99 @@ fn forks_share_the_prompt() {
     m.layer_mut(0).extend(&k, &v).unwrap();
     let f = m.fork();
     assert!(f.layer(0) == m.layer(0));
+}
+
+// ---------------------------------------------------------------------
+// Batched decode over many sequences.
+
+#[test]
+fn a_batch_equals_each_sequence_on_its_own() {
+    let mut rng = Rng::new(16);
+    let (k4, v4) = presets::kivi(4).unwrap();
+    let cfgs = [
+        CacheConfig::new(N_KV, HD)
+            .keys(k4)
+            .values(v4)
+            .residual(16)
+            .sinks(2),
+        CacheConfig::new(N_KV, HD)
+            .key_codec(Codec::hadamard(presets::q4_0()))
+            .value_codec(Codec::hadamard(presets::q4_0())),
+        CacheConfig::new(N_KV, HD),
+        CacheConfig::new(N_KV, HD).keys(presets::q8_0()).values(v4),
+    ];
+    for backend in common::backends() {
+        let mut seqs = Vec::new();
+        for (i, cfg) in cfgs.iter().cycle().take(7).enumerate() {
+            let mut c = LayerCache::new(cfg.backend(backend).threads(1)).unwrap();
+            let (k, v) = tokens(&mut rng, 1 + 97 * i);
+            c.extend(&k, &v).unwrap();
+            seqs.push(c);
+        }
+        // A fork among them: segments, shared with its parent.
+        let f = seqs[6].fork();
+        seqs.push(f);
+        let refs: Vec<&LayerCache> = seqs.iter().collect();
+        for n_q in [N_KV, 4 * N_KV] {
+            let q = rng.vec(seqs.len() * n_q * HD);
+            for threads in [1, 2, 3, 0] {
+                let mut out = vec![0f32; q.len()];
+                attend_batch(&refs, &q, n_q, &mut out, threads).unwrap();
+                for (i, c) in seqs.iter().enumerate() {
+                    let w = n_q * HD;
+                    let one = attend(c, &q[i * w..(i + 1) * w], n_q);
+                    assert_eq!(
+                        out[i * w..(i + 1) * w],
+                        one[..],
+                        "{backend:?} seq {i} nq {n_q} threads {threads}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_bad_batch_is_an_error_and_writes_nothing() {
+    let mut rng = Rng::new(17);
+    let mut a = LayerCache::new(CacheConfig::new(N_KV, HD)).unwrap();
+    let (k, v) = tokens(&mut rng, 5);
+    a.extend(&k, &v).unwrap();
+    let empty = LayerCache::new(CacheConfig::new(N_KV, HD)).unwrap();
+    let mut other = LayerCache::new(CacheConfig::new(1, HD)).unwrap();
+    other.extend(&k[..5 * HD], &v[..5 * HD]).unwrap();
+    let q = vec![0.5f32; 2 * W];
+    let check = |caches: &[&LayerCache], q: &[f32], n_q: usize, out_len: usize| {
+        let mut out = vec![7f32; out_len];
+        let e = attend_batch(caches, q, n_q, &mut out, 2);
+        assert!(out.iter().all(|&x| x == 7.0), "out written on {e:?}");
+        e
+    };
+    assert!(matches!(
+        check(&[&a, &empty], &q, N_KV, 2 * W),
+        Err(Error::InvalidShape { .. })
+    ));
+    assert!(matches!(
+        check(&[&a, &other], &q, N_KV, 2 * W),
+        Err(Error::InvalidShape { .. })
+    ));
+    assert!(matches!(
+        check(&[&a, &a], &q[..W], N_KV, 2 * W),
+        Err(Error::Length { .. })
+    ));
+    assert!(matches!(
+        check(&[&a, &a], &q, N_KV, W),
+        Err(Error::Length { .. })
+    ));
+    assert!(matches!(
+        check(&[&a, &a], &q, 3, 2 * W),
+        Err(Error::InvalidShape { .. }) | Err(Error::Length { .. })
+    ));
+    let mut bad = q.clone();
+    bad[W + 3] = f32::NAN;
+    assert!(matches!(
+        check(&[&a, &a], &bad, N_KV, 2 * W),
+        Err(Error::NonFinite { .. })
+    ));
+    assert!(check(&[], &[], N_KV, 0).is_ok());
 }

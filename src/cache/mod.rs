@@ -125,6 +125,121 @@ pub fn resident_bytes<'a>(caches: impl IntoIterator<Item = &'a LayerCache>) -> C
     total
 }
 
+/// Decode attention for many sequences at once, one new position each:
+/// the batched decode step of a serving engine. `caches[i]` is sequence
+/// `i`'s cache of this layer; `q` is `[caches.len(), n_q_heads·head_dim]`
+/// and `out` the same shape. Every (sequence, KV head) pair is one unit of
+/// work, spread over `threads` threads (0: all available) on scoped
+/// threads joined before it returns; each unit is what
+/// [`LayerCache::attend`] computes for that head on one thread, so the
+/// output equals calling `attend` on each cache with `.threads(1)`, bit
+/// for bit. The caches may differ in length and codecs, not in shape.
+///
+/// # Errors
+/// [`Error::InvalidShape`] when the caches differ in `n_kv_heads` or
+/// `head_dim`, and as [`LayerCache::attend`] for any one of them (shape
+/// errors name the sequence); [`Error::Length`] when `q` or `out` is not
+/// `caches.len()` rows.
+/// Nothing is written to `out` on error.
+///
+/// # Example
+/// ```
+/// use kvq::{cache::attend_batch, presets, CacheConfig, LayerCache};
+/// let (n_kv, hd, n_q) = (2, 64, 8);
+/// let (keys, values) = presets::kivi(4)?;
+/// let cfg = CacheConfig::new(n_kv, hd).keys(keys).values(values);
+/// let mut seqs: Vec<LayerCache> = (0..3).map(|_| LayerCache::new(cfg)).collect::<Result<_, _>>()?;
+/// for (i, s) in seqs.iter_mut().enumerate() {
+///     for t in 0..100 * (i + 1) {
+///         let row: Vec<f32> = (0..n_kv * hd).map(|c| ((t + c) % 7) as f32 / 7.0).collect();
+///         s.append(&row, &row)?;
+///     }
+/// }
+/// let q = vec![0.1f32; 3 * n_q * hd];
+/// let mut out = vec![0f32; q.len()];
+/// let refs: Vec<&LayerCache> = seqs.iter().collect();
+/// attend_batch(&refs, &q, n_q, &mut out, 0)?;
+/// # Ok::<(), kvq::Error>(())
+/// ```
+pub fn attend_batch<T: Element>(
+    caches: &[&LayerCache],
+    q: &[T],
+    n_q_heads: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<()> {
+    let op = "attend_batch";
+    let Some(first) = caches.first() else {
+        check_len(op, "query values", 0, q.len())?;
+        return check_len(op, "output values", 0, out.len());
+    };
+    let (n_kv, hd) = (first.cfg.n_kv_heads, first.cfg.head_dim);
+    let n_seq = caches.len();
+    let qw = n_q_heads
+        .checked_mul(hd)
+        .ok_or_else(|| Error::InvalidShape {
+            op,
+            what: format!("{n_q_heads} query heads of {hd} channels do not fit"),
+        })?;
+    let total = n_seq.checked_mul(qw).ok_or_else(|| Error::InvalidShape {
+        op,
+        what: format!("{n_seq} sequences of {qw} query values do not fit"),
+    })?;
+    check_len(
+        op,
+        "query values (caches × n_q_heads·head_dim)",
+        total,
+        q.len(),
+    )?;
+    check_len(op, "output values", total, out.len())?;
+    let mut qs = Vec::with_capacity(n_seq);
+    for (i, c) in caches.iter().enumerate() {
+        let named = |e: Error| Error::InvalidShape {
+            op,
+            what: format!("sequence {i}: {e}"),
+        };
+        if (c.cfg.n_kv_heads, c.cfg.head_dim) != (n_kv, hd) {
+            return Err(named(Error::InvalidShape {
+                op,
+                what: format!(
+                    "{}x{} heads, where sequence 0 has {n_kv}x{hd}",
+                    c.cfg.n_kv_heads, c.cfg.head_dim
+                ),
+            }));
+        }
+        c.check_heads(op, n_q_heads).map_err(named)?;
+        let qi = &q[i * qw..(i + 1) * qw];
+        qs.push(c.prepared_queries(op, qi, n_q_heads)?);
+    }
+    let r = n_q_heads / n_kv;
+    let unit = r * hd;
+    // [sequence][KV head][r·hd]: unit `i·n_kv + h` is sequence i, head h.
+    let mut tmp = vec![0f32; n_seq * n_kv * unit];
+    let threads = match threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let units = n_seq * n_kv;
+    let per = units.div_ceil(threads.min(units).max(1));
+    fan_out(tmp.chunks_mut(per * unit), |ci, block| {
+        for (k, dst) in block.chunks_mut(unit).enumerate() {
+            let u = ci * per + k;
+            let (i, h) = (u / n_kv, u % n_kv);
+            let qh = &qs[i][h * unit..(h + 1) * unit];
+            caches[i].head_attention(h, qh, 1, r, None, dst);
+        }
+    });
+    for (i, c) in caches.iter().enumerate() {
+        let t = &mut tmp[i * n_kv * unit..(i + 1) * n_kv * unit];
+        if let Some(v) = c.v.codec.as_ref().filter(|v| v.transforms()) {
+            v.transform_out(t);
+        }
+        // One position: [h][r·hd] is already the output's layout.
+        out[i * qw..(i + 1) * qw].copy_from_slice(t);
+    }
+    Ok(())
+}
+
 /// A checked [`LayerCache::truncate`]: the new length and, for each of K
 /// and V, the packed tokens kept, the new full-precision tail and its
 /// running range.
@@ -724,14 +839,7 @@ impl LayerCache {
                 what: "window must be at least 1".into(),
             });
         }
-        let scale = self.scale();
-        let mut qf = Vec::new();
-        widen_into(q, &mut qf);
-        check_finite(op, &qf, n_q_heads, hd, 0)?;
-        qf.iter_mut().for_each(|x| *x *= scale);
-        if let Some(c) = self.k.codec.as_ref().filter(|c| c.transforms()) {
-            c.transform_in(&mut qf);
-        }
+        let qf = self.prepared_queries(op, q, n_q_heads)?;
 
         let n_kv = self.cfg.n_kv_heads;
         let per_head = n * r * hd;
@@ -779,6 +887,25 @@ impl LayerCache {
             }
         }
         Ok(())
+    }
+
+    /// `q` as the kernels take it: f32, checked finite, times the softmax
+    /// scale, in the keys' stored space.
+    fn prepared_queries<T: Element>(
+        &self,
+        op: &'static str,
+        q: &[T],
+        n_q_heads: usize,
+    ) -> Result<Vec<f32>> {
+        let mut qf = Vec::new();
+        widen_into(q, &mut qf);
+        check_finite(op, &qf, n_q_heads, self.cfg.head_dim, 0)?;
+        let scale = self.scale();
+        qf.iter_mut().for_each(|x| *x *= scale);
+        if let Some(c) = self.k.codec.as_ref().filter(|c| c.transforms()) {
+            c.transform_in(&mut qf);
+        }
+        Ok(qf)
     }
 
     /// Decode (one position) with every KV head's tokens split into
