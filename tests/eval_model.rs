@@ -8,7 +8,9 @@ use kvq_eval::gguf::{GgmlType, Gguf, Value};
 use kvq_eval::model::{
     Config, DenseStore, Hooks, KvStore, Model, QuantPoint, RopeStyle, RoundTrip,
 };
-use kvq_eval::ppl::{perplexity, window_logits, EvalPath, PplOptions};
+use kvq_eval::ppl::{
+    perplexity, perplexity_kl, window_logits, EvalPath, Kl, PplOptions, Reference,
+};
 use kvq_eval::tokenizer::Tokenizer;
 
 // ---------------------------------------------------------------- model ----
@@ -189,32 +191,33 @@ fn quant_points_are_applied_where_asked() {
     assert!(max_abs_diff(&prefill_logits(&m, &toks, &mut hooks), &base) > 1e-4);
 }
 
+/// A store that quantizes K on the way in: what a kvq-backed store does.
+struct QuantStore(DenseStore, Coarse);
+impl KvStore for QuantStore {
+    fn extend(&mut self, l: usize, k: &[f32], v: &[f32]) -> Result<(), String> {
+        let mut k = k.to_vec();
+        self.1.apply(&mut k);
+        self.0.extend(l, &k, v)
+    }
+    fn attend_causal(
+        &mut self,
+        l: usize,
+        q: &[f32],
+        h: usize,
+        o: &mut [f32],
+    ) -> Result<(), String> {
+        self.0.attend_causal(l, q, h, o)
+    }
+    fn attend(&mut self, l: usize, q: &[f32], h: usize, o: &mut [f32]) -> Result<(), String> {
+        self.0.attend(l, q, h, o)
+    }
+    fn reset(&mut self) {
+        self.0.reset()
+    }
+}
+
 #[test]
 fn quantizing_after_rope_equals_a_quantizing_store() {
-    /// A store that quantizes K on the way in: what a kvq-backed store does.
-    struct QuantStore(DenseStore, Coarse);
-    impl KvStore for QuantStore {
-        fn extend(&mut self, l: usize, k: &[f32], v: &[f32]) -> Result<(), String> {
-            let mut k = k.to_vec();
-            self.1.apply(&mut k);
-            self.0.extend(l, &k, v)
-        }
-        fn attend_causal(
-            &mut self,
-            l: usize,
-            q: &[f32],
-            h: usize,
-            o: &mut [f32],
-        ) -> Result<(), String> {
-            self.0.attend_causal(l, q, h, o)
-        }
-        fn attend(&mut self, l: usize, q: &[f32], h: usize, o: &mut [f32]) -> Result<(), String> {
-            self.0.attend(l, q, h, o)
-        }
-        fn reset(&mut self) {
-            self.0.reset()
-        }
-    }
     let m = Model::random(tiny_config(RopeStyle::Adjacent), 8, false);
     let toks = tokens(16, m.cfg.vocab_size, 4);
     let q = Coarse(0.125);
@@ -286,6 +289,95 @@ fn perplexity_paths_agree_and_windows_reset() {
         &mut store,
         &mut Hooks::default(),
         &opts,
+        |_, _| {}
+    )
+    .is_err());
+}
+
+#[test]
+fn kl_against_a_reference_run() {
+    let m = Model::random(tiny_config(RopeStyle::Adjacent), 22, true);
+    let toks = tokens(64, m.cfg.vocab_size, 4);
+    let opts = PplOptions {
+        n_tokens: 64,
+        window: 16,
+        path: EvalPath::Prefill,
+    };
+    let mut reference = Reference::default();
+    let mut dense = DenseStore::for_config(&m.cfg);
+    let (base, none) = perplexity_kl(
+        &m,
+        &toks,
+        &mut dense,
+        &mut Hooks::default(),
+        &opts,
+        Kl::Record(&mut reference),
+        |_, _| {},
+    )
+    .unwrap();
+    assert!(none.is_none());
+    assert_eq!(reference.len(), 4 * 15);
+    // The same run again: no divergence, the same top token everywhere.
+    let (again, kl) = perplexity_kl(
+        &m,
+        &toks,
+        &mut dense,
+        &mut Hooks::default(),
+        &opts,
+        Kl::Compare(&reference),
+        |_, _| {},
+    )
+    .unwrap();
+    let kl = kl.unwrap();
+    assert_eq!(again.all, base.all);
+    // (The reference's log-probabilities are kept as f32: a hair above 0.)
+    assert!(kl.mean < 1e-7 && kl.p99 < 1e-6, "{kl:?}");
+    assert_eq!((kl.same_top1, kl.count), (1.0, 60));
+    // A coarse cache diverges, more at the tail than on average; the
+    // decode path agrees with prefill on it.
+    let mut coarse = QuantStore(DenseStore::for_config(&m.cfg), Coarse(0.5));
+    let (_, q) = perplexity_kl(
+        &m,
+        &toks,
+        &mut coarse,
+        &mut Hooks::default(),
+        &opts,
+        Kl::Compare(&reference),
+        |_, _| {},
+    )
+    .unwrap();
+    let q = q.unwrap();
+    assert!(
+        q.mean > 1e-6 && q.p99 >= q.mean && q.same_top1 <= 1.0,
+        "{q:?}"
+    );
+    let dec = PplOptions {
+        path: EvalPath::Decode,
+        ..opts.clone()
+    };
+    let (_, qd) = perplexity_kl(
+        &m,
+        &toks,
+        &mut coarse,
+        &mut Hooks::default(),
+        &dec,
+        Kl::Compare(&reference),
+        |_, _| {},
+    )
+    .unwrap();
+    assert!((qd.unwrap().mean - q.mean).abs() < 1e-4 * (1.0 + q.mean));
+    // A reference of other tokens' count is an error.
+    let short = PplOptions {
+        n_tokens: 32,
+        ..opts
+    };
+    assert!(perplexity_kl(
+        &m,
+        &toks,
+        &mut dense,
+        &mut Hooks::default(),
+        &short,
+        Kl::Compare(&reference),
         |_, _| {}
     )
     .is_err());

@@ -14,6 +14,12 @@
 //!   (`w - 1 - w/2` per window), the `llama-perplexity` convention, where
 //!   every scored token has at least `w/2` tokens of context.
 //!
+//! Against a reference run (the full-precision cache), [`perplexity_kl`]
+//! also reports what `llama-perplexity --kl-divergence` does: the KL
+//! divergence `KL(p_ref ‖ p)` of every next-token distribution (nats), its
+//! mean and 99th percentile, and how often the most likely token is the
+//! same ([`KlReport`]).
+//!
 //! Two evaluation paths exist: [`EvalPath::Prefill`] feeds each window as one
 //! block (`extend` + `attend_causal` per layer), [`EvalPath::Decode`] feeds it
 //! token by token (`extend` of one row + `attend`).
@@ -120,14 +126,7 @@ pub struct PplReport {
 
 /// `-ln softmax(logits)[target]`, computed in `f64`.
 pub fn nll(logits: &[f32], target: usize) -> f64 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits
-        .iter()
-        .map(|&v| (v as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    lse - logits[target] as f64
+    log_sum_exp(logits) - logits[target] as f64
 }
 
 /// The full-precision Q/K/V of every layer over the window `tokens`: a
@@ -152,9 +151,25 @@ pub fn window_nll(
     hooks: &mut Hooks<'_>,
     path: EvalPath,
 ) -> Result<Vec<f64>> {
+    let mut out = Vec::with_capacity(tokens.len().saturating_sub(1));
+    window_rows(model, tokens, store, hooks, path, &mut |i, row| {
+        out.push(nll(row, tokens[i + 1] as usize));
+    })?;
+    Ok(out)
+}
+
+/// Run one window from an empty store and hand every prediction's logits
+/// to `visit` (`visit(i, logits)` predicts token `i + 1`), in order.
+pub fn window_rows(
+    model: &Model,
+    tokens: &[u32],
+    store: &mut dyn KvStore,
+    hooks: &mut Hooks<'_>,
+    path: EvalPath,
+    visit: &mut dyn FnMut(usize, &[f32]),
+) -> Result<()> {
     store.reset();
     let n = tokens.len();
-    let mut out = Vec::with_capacity(n.saturating_sub(1));
     match path {
         EvalPath::Prefill => {
             let hidden = model.forward(tokens, 0, store, hooks)?;
@@ -165,8 +180,7 @@ pub fn window_nll(
                 let b1 = (b0 + block).min(rows);
                 let logits = model.logits(hidden.slice(ndarray::s![b0..b1, ..]));
                 for (i, row) in logits.outer_iter().enumerate() {
-                    let row = row.as_slice().expect("contiguous logits");
-                    out.push(nll(row, tokens[b0 + i + 1] as usize));
+                    visit(b0 + i, row.as_slice().expect("contiguous logits"));
                 }
             }
         }
@@ -174,12 +188,99 @@ pub fn window_nll(
             for (i, &t) in tokens[..n - 1].iter().enumerate() {
                 let hidden = model.forward(&[t], i, store, hooks)?;
                 let logits = model.logits(hidden.view());
-                let row = logits.as_slice().expect("contiguous logits");
-                out.push(nll(row, tokens[i + 1] as usize));
+                visit(i, logits.as_slice().expect("contiguous logits"));
             }
         }
     }
-    Ok(out)
+    Ok(())
+}
+
+/// The next-token distributions of a reference run, as log-probabilities
+/// (`f32`, `[predictions, vocab]`: 4 bytes per vocabulary entry and
+/// prediction, about 800 MB for 4096 tokens of a 49k vocabulary).
+#[derive(Debug, Clone, Default)]
+pub struct Reference {
+    vocab: usize,
+    logp: Vec<f32>,
+    top1: Vec<u32>,
+}
+
+impl Reference {
+    /// Predictions recorded.
+    pub fn len(&self) -> usize {
+        self.top1.len()
+    }
+
+    /// Whether nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.top1.is_empty()
+    }
+
+    fn push(&mut self, logits: &[f32]) {
+        self.vocab = logits.len();
+        let lse = log_sum_exp(logits);
+        self.logp
+            .extend(logits.iter().map(|&v| (v as f64 - lse) as f32));
+        self.top1.push(argmax(logits));
+    }
+
+    /// `KL(ref_k ‖ softmax(logits))` in nats, and whether the most likely
+    /// token agrees, for prediction `k`.
+    fn compare(&self, k: usize, logits: &[f32]) -> (f64, bool) {
+        let lp = &self.logp[k * self.vocab..(k + 1) * self.vocab];
+        let lse = log_sum_exp(logits);
+        let kl: f64 = lp
+            .iter()
+            .zip(logits)
+            .map(|(&a, &b)| {
+                let a = a as f64;
+                a.exp() * (a - (b as f64 - lse))
+            })
+            .sum();
+        // Rounding can leave an identical distribution a hair below zero.
+        (kl.max(0.0), argmax(logits) == self.top1[k])
+    }
+}
+
+/// KL divergence of a run's next-token distributions from a reference's,
+/// as `llama-perplexity --kl-divergence` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct KlReport {
+    /// Mean KL over every prediction (nats).
+    pub mean: f64,
+    /// Mean KL over the second half of each window (nats).
+    pub mean_second_half: f64,
+    /// 99th percentile of the per-prediction KL (nats).
+    pub p99: f64,
+    /// Share of predictions whose most likely token is the reference's.
+    pub same_top1: f64,
+    /// Predictions compared.
+    pub count: usize,
+}
+
+/// What [`perplexity_kl`] does with each prediction's distribution.
+pub enum Kl<'a> {
+    /// Nothing ([`perplexity`]).
+    Off,
+    /// Record it: this run is the reference.
+    Record(&'a mut Reference),
+    /// Compare it with the reference's.
+    Compare(&'a Reference),
+}
+
+fn log_sum_exp(x: &[f32]) -> f64 {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    x.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln() + max
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 /// Evaluate perplexity; `progress` is called after every window with its
@@ -190,8 +291,27 @@ pub fn perplexity(
     store: &mut dyn KvStore,
     hooks: &mut Hooks<'_>,
     opts: &PplOptions,
-    mut progress: impl FnMut(usize, &WindowResult),
+    progress: impl FnMut(usize, &WindowResult),
 ) -> Result<PplReport> {
+    perplexity_kl(model, tokens, store, hooks, opts, Kl::Off, progress).map(|r| r.0)
+}
+
+/// [`perplexity`], recording every prediction's distribution as the
+/// reference or comparing it with one recorded over the same tokens and
+/// options; the [`KlReport`] comes with [`Kl::Compare`].
+///
+/// # Errors
+/// As [`perplexity`]; also when the reference holds another number of
+/// predictions.
+pub fn perplexity_kl(
+    model: &Model,
+    tokens: &[u32],
+    store: &mut dyn KvStore,
+    hooks: &mut Hooks<'_>,
+    opts: &PplOptions,
+    mut kl: Kl<'_>,
+    mut progress: impl FnMut(usize, &WindowResult),
+) -> Result<(PplReport, Option<KlReport>)> {
     if opts.window < 2 {
         return Err(ModelError("window must be at least 2 tokens".into()));
     }
@@ -204,6 +324,19 @@ pub fn perplexity(
         )));
     }
     let first_scored = opts.window / 2;
+    let predictions = (opts.n_tokens / opts.window) * (opts.window - 1);
+    if let Kl::Compare(r) = &kl {
+        if r.len() != predictions {
+            return Err(ModelError(format!(
+                "the reference holds {} predictions, this run makes {predictions}",
+                r.len()
+            )));
+        }
+    }
+    if let Kl::Record(r) = &mut kl {
+        **r = Reference::default();
+    }
+    let (mut kls, mut same, mut kl2) = (Vec::new(), 0usize, (0.0f64, 0usize));
     let mut report = PplReport {
         all: NllSum::default(),
         second_half: NllSum::default(),
@@ -215,7 +348,23 @@ pub fn perplexity(
         .enumerate()
     {
         let start = Instant::now();
-        let nlls = window_nll(model, chunk, store, hooks, opts.path)?;
+        let mut nlls = Vec::with_capacity(opts.window - 1);
+        let base = w * (opts.window - 1);
+        window_rows(model, chunk, store, hooks, opts.path, &mut |i, row| {
+            nlls.push(nll(row, chunk[i + 1] as usize));
+            match &mut kl {
+                Kl::Off => {}
+                Kl::Record(r) => r.push(row),
+                Kl::Compare(r) => {
+                    let (d, agree) = r.compare(base + i, row);
+                    kls.push(d);
+                    same += agree as usize;
+                    if i >= first_scored {
+                        kl2 = (kl2.0 + d, kl2.1 + 1);
+                    }
+                }
+            }
+        })?;
         let sum = |v: &[f64]| NllSum {
             nll: v.iter().sum(),
             count: v.len(),
@@ -231,7 +380,24 @@ pub fn perplexity(
         progress(w, &res);
         report.windows.push(res);
     }
-    Ok(report)
+    let klr = matches!(kl, Kl::Compare(_)).then(|| {
+        let count = kls.len();
+        let mean = kls.iter().sum::<f64>() / count.max(1) as f64;
+        let mut sorted = kls;
+        sorted.sort_by(f64::total_cmp);
+        let p99 = sorted
+            .get((count * 99 / 100).min(count.saturating_sub(1)))
+            .copied()
+            .unwrap_or(0.0);
+        KlReport {
+            mean,
+            mean_second_half: kl2.0 / kl2.1.max(1) as f64,
+            p99,
+            same_top1: same as f64 / count.max(1) as f64,
+            count,
+        }
+    });
+    Ok((report, klr))
 }
 
 /// Logits of `tokens` from an empty store (prefill), `[n, vocab]` row-major.

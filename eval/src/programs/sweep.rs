@@ -11,9 +11,12 @@
 //! (pip + apt, checked by sha256). For every domain and configuration it
 //! runs the studies' protocol (non-overlapping 512-token windows, each from
 //! an empty cache) and reports effective bits, compression against an f16
-//! cache, perplexity, Δppl against the full-precision cache, and the mean
+//! cache, perplexity, Δppl against the full-precision cache, the mean
 //! attention KL of the first window (exact vs quantized attention over the
-//! real Q/K/V, via `kvq::metrics`). Writes `sweep.csv`, `sweep.json` and
+//! real Q/K/V, via `kvq::metrics`), and the next-token KL against the
+//! full-precision run (mean, 99th percentile, same top-1 rate, as
+//! `llama-perplexity --kl-divergence`; the baseline's distributions are
+//! kept in memory, 4 bytes per vocabulary entry and prediction). Writes `sweep.csv`, `sweep.json` and
 //! `sweep.svg` (Δppl against effective bits, every point labelled, each
 //! domain's Pareto front drawn) into `--out`.
 //!
@@ -31,7 +34,7 @@ use serde::Serialize;
 use crate::capture::Capture;
 use crate::kvq_store::{CacheSpec, KvqStore};
 use crate::model::Hooks;
-use crate::ppl::{capture_window, perplexity, EvalPath, PplOptions};
+use crate::ppl::{capture_window, perplexity_kl, EvalPath, Kl, KlReport, PplOptions, Reference};
 use crate::report::{self, Align, PlotPoint, Table};
 use crate::BoxError;
 
@@ -41,8 +44,9 @@ use crate::BoxError;
 /// Fetches the assets with scripts/fetch-assets.sh when they are missing.
 /// For every domain and configuration: effective bits, compression against
 /// an f16 cache, perplexity (all predictions and second half of each
-/// window), Δppl against the full-precision cache, and the mean attention KL
-/// of the first window. Writes sweep.csv, sweep.json and sweep.svg into
+/// window), Δppl against the full-precision cache, the mean attention KL
+/// of the first window, and the next-token KL against the full-precision
+/// run (mean, 99th percentile, same top-1 rate). Writes sweep.csv, sweep.json and sweep.svg into
 /// --out. The default grid takes about six and a half minutes on 2 cores.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "sweep")]
@@ -262,12 +266,22 @@ pub struct Row {
     pub delta_ppl_second_half: f64,
     /// Mean attention KL on the first window (nats per position and head).
     pub attention_kl: f64,
+    /// Mean KL divergence of the next-token distribution from the
+    /// baseline's, every prediction (nats; `llama-perplexity
+    /// --kl-divergence`).
+    pub kl_mean: f64,
+    /// The same over the second half of each window.
+    pub kl_mean_second_half: f64,
+    /// 99th percentile of the per-prediction KL (nats).
+    pub kl_p99: f64,
+    /// Share of predictions whose most likely token is the baseline's.
+    pub same_top1: f64,
     /// Wall time of this configuration's perplexity run.
     pub seconds: f64,
 }
 
 /// The columns of `sweep.csv`, in order.
-pub const CSV_COLUMNS: [&str; 10] = [
+pub const CSV_COLUMNS: [&str; 14] = [
     "domain",
     "config",
     "effective_bits",
@@ -277,6 +291,10 @@ pub const CSV_COLUMNS: [&str; 10] = [
     "ppl_second_half",
     "delta_ppl_second_half",
     "attention_kl",
+    "kl_mean",
+    "kl_mean_second_half",
+    "kl_p99",
+    "same_top1",
     "seconds",
 ];
 
@@ -338,18 +356,30 @@ pub fn run(args: Args) -> Result<(), BoxError> {
             .ok_or_else(|| format!("{domain}: fewer than {} tokens", opts.window))?;
         let cap = capture_window(&model, first)?;
         let mut base: Option<(f64, f64)> = None;
+        // The baseline's next-token distributions (it runs first).
+        let mut reference = Reference::default();
         for c in &configs {
             let mut store = KvqStore::new(n_layers, n_kv, hd, c.spec)?;
             let t = Instant::now();
             progress.set_message(format!("{domain}: {}", c.name));
-            let r = perplexity(
+            let kl = if c.is_baseline() {
+                Kl::Record(&mut reference)
+            } else {
+                Kl::Compare(&reference)
+            };
+            let (r, klr) = perplexity_kl(
                 &model,
                 &tokens,
                 &mut store,
                 &mut Hooks::default(),
                 &opts,
+                kl,
                 |_, _| progress.inc(1),
             )?;
+            let klr = klr.unwrap_or(KlReport {
+                same_top1: 1.0,
+                ..KlReport::default()
+            });
             let (ppl, ppl2) = (r.all.ppl(), r.second_half.ppl());
             let (b, b2) = *base.get_or_insert((ppl, ppl2));
             let eb = effective_bits(&c.spec, n_kv, hd);
@@ -363,6 +393,10 @@ pub fn run(args: Args) -> Result<(), BoxError> {
                 ppl_second_half: ppl2,
                 delta_ppl_second_half: ppl2 - b2,
                 attention_kl: attention_kl(&cap, &c.spec, n_q, n_kv, hd)?,
+                kl_mean: klr.mean,
+                kl_mean_second_half: klr.mean_second_half,
+                kl_p99: klr.p99,
+                same_top1: klr.same_top1,
                 seconds: t.elapsed().as_secs_f64(),
             });
         }
@@ -414,6 +448,9 @@ pub fn table(rows: &[Row]) -> Table {
         ("ppl 2nd½", Right),
         ("Δ 2nd½", Right),
         ("attn KL", Right),
+        ("KL", Right),
+        ("KL p99", Right),
+        ("same top1", Right),
     ]);
     for r in rows {
         t.row([
@@ -426,6 +463,9 @@ pub fn table(rows: &[Row]) -> Table {
             format!("{:.4}", r.ppl_second_half),
             format!("{:+.4}", r.delta_ppl_second_half),
             format!("{:.2e}", r.attention_kl),
+            format!("{:.5}", r.kl_mean),
+            format!("{:.4}", r.kl_p99),
+            format!("{:.2}%", 100.0 * r.same_top1),
         ]);
     }
     t
