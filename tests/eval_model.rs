@@ -884,3 +884,103 @@ fn tokenizer_rejects_bytes_missing_from_vocab() {
     assert!(t.encode("a\u{4}b").is_err());
     assert_eq!(t.decode(&t.encode("ab").unwrap()).unwrap(), "ab");
 }
+
+/// The K-quant and 5-bit dequantizers against blocks built here from
+/// chosen codes, scales and mins (the encoding written from the format's
+/// description, independently of the decoder).
+#[test]
+fn k_quant_and_q5_dequantizers_on_hand_built_blocks() {
+    use half::f16;
+    use kvq_eval::gguf::{dequant_q4_k, dequant_q5, dequant_q6_k};
+    let f16b = |x: f32| f16::from_f32(x).to_le_bytes();
+    let mut seed = 7u32;
+    let mut next = move |n: u32| {
+        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        (seed >> 8) % n
+    };
+    // Q5_0 / Q5_1: codes 0..31.
+    let q: Vec<u8> = (0..32).map(|_| next(32) as u8).collect();
+    let (d, m) = (0.375f32, -1.25f32);
+    let mut qs = [0u8; 16];
+    let mut qh = 0u32;
+    for j in 0..16 {
+        qs[j] = (q[j] & 15) | ((q[j + 16] & 15) << 4);
+    }
+    for (j, &c) in q.iter().enumerate() {
+        qh |= u32::from(c >> 4) << j;
+    }
+    let mut b0 = f16b(d).to_vec();
+    b0.extend(qh.to_le_bytes());
+    b0.extend(qs);
+    let mut out = Vec::new();
+    dequant_q5(&b0, false, &mut out);
+    let want: Vec<f32> = q.iter().map(|&c| (f32::from(c) - 16.0) * d).collect();
+    assert_eq!(out, want);
+    let mut b1 = f16b(d).to_vec();
+    b1.extend(f16b(m));
+    b1.extend(qh.to_le_bytes());
+    b1.extend(qs);
+    out.clear();
+    dequant_q5(&b1, true, &mut out);
+    let want: Vec<f32> = q.iter().map(|&c| f32::from(c) * d + m).collect();
+    assert_eq!(out, want);
+
+    // Q4_K: eight sub-blocks of 32, 6-bit scales and mins, 4-bit codes.
+    let (d, dmin) = (0.0625f32, 0.03125f32);
+    let sc: Vec<u8> = (0..8).map(|_| next(64) as u8).collect();
+    let mn: Vec<u8> = (0..8).map(|_| next(64) as u8).collect();
+    let q: Vec<u8> = (0..256).map(|_| next(16) as u8).collect();
+    let mut s12 = [0u8; 12];
+    for j in 0..4 {
+        s12[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        s12[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+        s12[j + 8] = (sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4);
+    }
+    let mut codes = [0u8; 128];
+    for (v, &c) in q.iter().enumerate() {
+        // Values 64i..64i+31 are the low nibbles of bytes 32i.., the next
+        // 32 their high nibbles.
+        let (i, w) = (v / 64, v % 64);
+        codes[32 * i + w % 32] |= if w < 32 { c } else { c << 4 };
+    }
+    let mut blk = f16b(d).to_vec();
+    blk.extend(f16b(dmin));
+    blk.extend(s12);
+    blk.extend(codes);
+    assert_eq!(blk.len(), 144);
+    out.clear();
+    dequant_q4_k(&blk, &mut out);
+    for (v, (&c, &x)) in q.iter().zip(&out).enumerate() {
+        let j = v / 32;
+        let want = d * f32::from(sc[j]) * f32::from(c) - dmin * f32::from(mn[j]);
+        assert_eq!(x, want, "Q4_K value {v}");
+    }
+
+    // Q6_K: 6-bit codes, sixteen i8 scales.
+    let d = 0.015625f32;
+    let q: Vec<u8> = (0..256).map(|_| next(64) as u8).collect();
+    let scales: Vec<i8> = (0..16).map(|_| next(256) as u8 as i8).collect();
+    let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+    for (v, &c) in q.iter().enumerate() {
+        let (half, w) = (v / 128, v % 128);
+        let (k, l) = (w / 32, w % 32);
+        let lo = c & 15;
+        let byte = 64 * half + l + if k % 2 == 1 { 32 } else { 0 };
+        ql[byte] |= if k < 2 { lo } else { lo << 4 };
+        qh[32 * half + l] |= (c >> 4) << (2 * k);
+    }
+    let mut blk = ql.to_vec();
+    blk.extend(qh);
+    blk.extend(scales.iter().map(|&s| s as u8));
+    blk.extend(f16b(d));
+    assert_eq!(blk.len(), 210);
+    out.clear();
+    dequant_q6_k(&blk, &mut out);
+    for (v, (&c, &x)) in q.iter().zip(&out).enumerate() {
+        let (half, w) = (v / 128, v % 128);
+        let (k, l) = (w / 32, w % 32);
+        let s = scales[8 * half + l / 16 + 2 * k];
+        let want = d * f32::from(s) * (f32::from(c) - 32.0);
+        assert_eq!(x, want, "Q6_K value {v}");
+    }
+}

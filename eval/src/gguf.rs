@@ -787,6 +787,26 @@ impl Gguf {
                     out.extend(qs.iter().map(|&q| f32::from(q >> 4) * d + m));
                 }
             }
+            GgmlType::Q5_0 => {
+                for blk in bytes.chunks_exact(22) {
+                    dequant_q5(blk, false, &mut out);
+                }
+            }
+            GgmlType::Q5_1 => {
+                for blk in bytes.chunks_exact(24) {
+                    dequant_q5(blk, true, &mut out);
+                }
+            }
+            GgmlType::Q4_K => {
+                for blk in bytes.chunks_exact(144) {
+                    dequant_q4_k(blk, &mut out);
+                }
+            }
+            GgmlType::Q6_K => {
+                for blk in bytes.chunks_exact(210) {
+                    dequant_q6_k(blk, &mut out);
+                }
+            }
             ty => {
                 return Err(GgufError::UnsupportedDequant {
                     name: name.into(),
@@ -797,6 +817,79 @@ impl Gguf {
         debug_assert_eq!(out.len(), n);
         Ok((t, out))
     }
+}
+
+/// One `Q5_0` block (32 values, 22 bytes: `d`, 32 high bits, 16 bytes of
+/// low nibbles; value = `d·(q − 16)`) or, with `min`, one `Q5_1` block (24
+/// bytes: `d`, `m`, high bits, nibbles; value = `d·q + m`). Value `j < 16`
+/// takes the low nibble of byte `j`, value `j + 16` its high nibble; bit
+/// `j` of the high bits is bit 4 of value `j`.
+pub fn dequant_q5(blk: &[u8], min: bool, out: &mut Vec<f32>) {
+    let d = f16_at(blk, 0);
+    let (m, o) = if min { (f16_at(blk, 2), 4) } else { (0.0, 2) };
+    let qh = u32::from_le_bytes([blk[o], blk[o + 1], blk[o + 2], blk[o + 3]]);
+    let qs = &blk[o + 4..o + 20];
+    let bias = if min { 0.0 } else { 16.0 };
+    let q5 = |j: usize, lo: u8| f32::from(lo | ((((qh >> j) & 1) as u8) << 4)) - bias;
+    out.extend(qs.iter().enumerate().map(|(j, &q)| q5(j, q & 0x0f) * d + m));
+    out.extend(
+        qs.iter()
+            .enumerate()
+            .map(|(j, &q)| q5(j + 16, q >> 4) * d + m),
+    );
+}
+
+/// One `Q4_K` super-block (256 values, 144 bytes): `d`, `dmin` (f16),
+/// twelve bytes of 6-bit scales and mins for eight sub-blocks of 32, then
+/// 128 bytes of 4-bit codes; value = `d·sc·q − dmin·m`. Sub-blocks `2i` and
+/// `2i+1` share the 32 code bytes `32i..`: low nibbles, then high.
+pub fn dequant_q4_k(blk: &[u8], out: &mut Vec<f32>) {
+    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+    let sc = &blk[4..16];
+    let qs = &blk[16..144];
+    // Sub-block j's 6-bit scale and min.
+    let scale_min = |j: usize| -> (f32, f32) {
+        let (s, m) = if j < 4 {
+            (sc[j] & 63, sc[j + 4] & 63)
+        } else {
+            (
+                (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4),
+                (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
+            )
+        };
+        (d * f32::from(s), dmin * f32::from(m))
+    };
+    for i in 0..4 {
+        let q = &qs[32 * i..32 * (i + 1)];
+        let (d1, m1) = scale_min(2 * i);
+        let (d2, m2) = scale_min(2 * i + 1);
+        out.extend(q.iter().map(|&b| d1 * f32::from(b & 0x0f) - m1));
+        out.extend(q.iter().map(|&b| d2 * f32::from(b >> 4) - m2));
+    }
+}
+
+/// One `Q6_K` super-block (256 values, 210 bytes): 128 bytes of low 4
+/// bits, 64 of high 2 bits, sixteen `i8` scales (one per 16 values), then
+/// `d` (f16); value = `d·scale·(q − 32)` with `q` of 6 bits.
+pub fn dequant_q6_k(blk: &[u8], out: &mut Vec<f32>) {
+    let d = f16_at(blk, 208);
+    let mut y = [0f32; 256];
+    for half in 0..2 {
+        let ql = &blk[64 * half..64 * half + 64];
+        let qh = &blk[128 + 32 * half..128 + 32 * half + 32];
+        let sc = &blk[192 + 8 * half..192 + 8 * half + 8];
+        let y = &mut y[128 * half..128 * (half + 1)];
+        for l in 0..32 {
+            let is = l / 16;
+            let q = |lo: u8, shift: u32| f32::from((lo | (((qh[l] >> shift) & 3) << 4)) as i8 - 32);
+            let s = |k: usize| d * f32::from(sc[is + k] as i8);
+            y[l] = s(0) * q(ql[l] & 0x0f, 0);
+            y[l + 32] = s(2) * q(ql[l + 32] & 0x0f, 2);
+            y[l + 64] = s(4) * q(ql[l] >> 4, 4);
+            y[l + 96] = s(6) * q(ql[l + 32] >> 4, 6);
+        }
+    }
+    out.extend_from_slice(&y);
 }
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
