@@ -16,24 +16,32 @@ use kvq_eval::assets;
 use kvq_eval::gguf::Gguf;
 use kvq_eval::kvq_store::{CacheSpec, KvqStore};
 use kvq_eval::model::{DenseStore, Hooks, Model};
-use kvq_eval::ppl::{capture_window, perplexity, EvalPath, PplOptions};
+use kvq_eval::ppl::{
+    capture_window, perplexity, perplexity_kl, EvalPath, Kl, PplOptions, Reference,
+};
 use kvq_eval::programs::sweep::attention_kl;
 use kvq_eval::tokenizer::Tokenizer;
 
 /// Full-precision perplexity of the first 512-token window, all predictions
 /// and second half, as measured on x86-64 in f32 (`docs/RESULTS.md`).
-/// Then KIVI-4's relative ppl change on that window, and (prose only, to
+/// Then KIVI-4's relative ppl change on that window and its mean
+/// next-token KL against the full-precision run, and (prose only, to
 /// keep the test short) the mean attention KL (nats, over layers) of
 /// KIVI-4, q4_0 and Hadamard-rotated q4_0 on its captured Q/K/V: the
 /// figures `docs/RESULTS.md` quotes for the first window, measured by this
 /// test's own code.
-const AUSTEN_W0: (f64, f64, f64, Option<[f64; 3]>) = (
+const AUSTEN_W0: W0 = (
     21.8932,
     21.9000,
     -0.00251,
+    1.7491e-2,
     Some([6.1655e-3, 9.0024e-2, 2.4342e-2]),
 );
-const CODE_W0: (f64, f64, f64, Option<[f64; 3]>) = (9.4716, 9.0365, 0.03092, None);
+const CODE_W0: W0 = (9.4716, 9.0365, 0.03092, 1.8985e-2, None);
+
+/// First-window figures: full-precision ppl (all, second half), KIVI-4's
+/// relative ppl change and mean next-token KL, and the attention KLs.
+type W0 = (f64, f64, f64, f64, Option<[f64; 3]>);
 
 #[test]
 fn real_model_tokenizer_and_first_window_perplexity() {
@@ -79,12 +87,14 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             window: 512,
             path: EvalPath::Prefill,
         };
-        let r = perplexity(
+        let mut reference = Reference::default();
+        let (r, _) = perplexity_kl(
             &model,
             &ids,
             &mut store,
             &mut Hooks::default(),
             &opts,
+            Kl::Record(&mut reference),
             |_, _| {},
         )
         .unwrap();
@@ -116,15 +126,31 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             int8: false,
         };
         let mut store = KvqStore::new(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, spec).unwrap();
-        let q = perplexity(
+        let (q, kl) = perplexity_kl(
             &model,
             &ids,
             &mut store,
             &mut Hooks::default(),
             &opts,
+            Kl::Compare(&reference),
             |_, _| {},
         )
         .unwrap();
+        let kl = kl.unwrap();
+        println!(
+            "{name}: KIVI-4 first window next-token KL {:.5} (p99 {:.4}, same top-1 {:.2} %)",
+            kl.mean,
+            kl.p99,
+            100.0 * kl.same_top1
+        );
+        // The mean KL sums 511 predictions' divergences: it moves far less
+        // than one window's perplexity when kernels sum in another order.
+        assert!(
+            (kl.mean / want.3 - 1.0).abs() < 0.05,
+            "{name}: KIVI-4 next-token KL {} vs {}",
+            kl.mean,
+            want.3
+        );
         let q4 = q.all.ppl();
         let rel = q4 / all - 1.0;
         println!(
@@ -144,7 +170,7 @@ fn real_model_tokenizer_and_first_window_perplexity() {
         );
 
         // Attention KL of the first window's real Q/K/V, per scheme.
-        if let Some(pins) = want.3 {
+        if let Some(pins) = want.4 {
             let cap = capture_window(&model, &ids[..512]).unwrap();
             let kl = |spec: CacheSpec| {
                 attention_kl(&cap, &spec, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim).unwrap()
