@@ -240,6 +240,20 @@ pub fn attend_batch<T: Element>(
     Ok(())
 }
 
+/// Query rows from which full-precision sections are attended through the
+/// blocked dense kernels (their head's rows gathered into one buffer
+/// first); fewer (decode) read the rows in place.
+const DENSE_BLOCK_ROWS: usize = 8;
+
+/// Head `h`'s `n` rows of full-precision `data` (`[n, width]`), contiguous.
+fn head_rows(data: &[f32], width: usize, h: usize, hd: usize, n: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n * hd);
+    for t in 0..n {
+        out.extend_from_slice(&data[t * width + h * hd..][..hd]);
+    }
+    out
+}
+
 /// A checked [`LayerCache::truncate`]: the new length and, for each of K
 /// and V, the packed tokens kept, the new full-precision tail and its
 /// running range.
@@ -1073,6 +1087,18 @@ impl LayerCache {
         for sec in self.k.sections(h, a, b) {
             let off = sec.start - a;
             match sec.data {
+                SectionData::Dense(data) if rows >= DENSE_BLOCK_ROWS => {
+                    // Many queries (prefill): the head's rows gathered once,
+                    // then the blocked dense kernel over all of them.
+                    let keys = head_rows(data, self.k.width, h, hd, sec.len);
+                    let tmp = uninit_len(tmp, rows * sec.len);
+                    kernels::dense::scores_f32_on(self.backend, hd, &keys, q, tmp)
+                        .expect("lengths are consistent");
+                    for i in 0..rows {
+                        out[i * width + off..i * width + off + sec.len]
+                            .copy_from_slice(&tmp[i * sec.len..(i + 1) * sec.len]);
+                    }
+                }
                 SectionData::Dense(data) => {
                     for t in 0..sec.len {
                         let k = &data[t * self.k.width + h * hd..][..hd];
@@ -1112,6 +1138,16 @@ impl LayerCache {
         for sec in self.v.sections(h, a, b) {
             let off = sec.start - a;
             match sec.data {
+                SectionData::Dense(data) if rows >= DENSE_BLOCK_ROWS => {
+                    let values = head_rows(data, self.v.width, h, hd, sec.len);
+                    let tmp = uninit_len(tmp, rows * sec.len);
+                    for i in 0..rows {
+                        tmp[i * sec.len..(i + 1) * sec.len]
+                            .copy_from_slice(&p[i * width + off..i * width + off + sec.len]);
+                    }
+                    kernels::dense::weighted_sum_f32_on(self.backend, hd, &values, tmp, dst)
+                        .expect("lengths are consistent");
+                }
                 SectionData::Dense(data) => {
                     for t in 0..sec.len {
                         let v = &data[t * self.v.width + h * hd..][..hd];

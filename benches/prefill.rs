@@ -1,0 +1,229 @@
+//! Prefill attention: `LayerCache::attend_causal` over a whole prompt
+//! (every position attends to itself and everything before it), on
+//! quantized caches, beside dense causal attention over f32 and f16 K/V in
+//! the same run. Cases are called in interleaved rounds, as in
+//! `benches/paired.rs`, so their ratios survive a drifting host.
+//!
+//! ```text
+//! cargo bench --bench prefill                                # 512 and 4096 tokens
+//! KVQ_PREFILL_CTX=16384 KVQ_PREFILL_ROUNDS=3 cargo bench --bench prefill
+//! KVQ_PREFILL_NQ=4 cargo bench --bench prefill               # four query heads per KV head
+//! ```
+//!
+//! 8 KV heads of 128, two threads across heads. The dense baselines are
+//! written the way the cache computes: query blocks of 64 positions, each
+//! scored against every key up to its last position with the SIMD dense
+//! kernels (`kernels::dense`, the ones the decode baseline uses), masked,
+//! a stable softmax per row, and the weighted sum of values through the
+//! same kernels. Nothing is asserted; the numbers are in `docs/`.
+
+mod common;
+
+use common::{data, scheme};
+use half::f16;
+use kvq::kernels::{self, dense};
+use kvq::{Axis, CacheConfig, Codec, LayerCache};
+use std::hint::black_box;
+use std::time::Instant;
+
+const N_KV: usize = 8;
+const HD: usize = 128;
+const THREADS: usize = 2;
+const BLOCK: usize = 64;
+
+fn env_list(name: &str, default: &[usize]) -> Vec<usize> {
+    std::env::var(name)
+        .ok()
+        .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| default.to_vec())
+}
+
+/// Dense K/V of one layer, head-major (`[head][token][hd]`).
+enum Dense {
+    F32 { k: Vec<Vec<f32>>, v: Vec<Vec<f32>> },
+    F16 { k: Vec<Vec<f16>>, v: Vec<Vec<f16>> },
+}
+
+fn head_major<T: Copy>(x: &[f32], ctx: usize, conv: impl Fn(f32) -> T) -> Vec<Vec<T>> {
+    (0..N_KV)
+        .map(|h| {
+            (0..ctx)
+                .flat_map(|t| x[t * N_KV * HD + h * HD..][..HD].iter().map(|&v| conv(v)))
+                .collect()
+        })
+        .collect()
+}
+
+impl Dense {
+    /// Causal attention of all `ctx` positions; `q` `[ctx, n_q·HD]`
+    /// (pre-scaled), `out` the same shape.
+    fn attend(&self, q: &[f32], n_q: usize, ctx: usize, out: &mut [f32]) {
+        let r = n_q / N_KV;
+        let per = N_KV.div_ceil(THREADS);
+        let mut parts: Vec<Vec<f32>> = vec![Vec::new(); N_KV];
+        std::thread::scope(|sc| {
+            for (ci, chunk) in parts.chunks_mut(per).enumerate() {
+                sc.spawn(move || {
+                    for (k, dst) in chunk.iter_mut().enumerate() {
+                        *dst = self.head(ci * per + k, q, n_q, r, ctx);
+                    }
+                });
+            }
+        });
+        for (h, p) in parts.iter().enumerate() {
+            for j in 0..ctx {
+                out[j * n_q * HD + h * r * HD..][..r * HD]
+                    .copy_from_slice(&p[j * r * HD..][..r * HD]);
+            }
+        }
+    }
+
+    /// One KV head: `[ctx, r, HD]`.
+    fn head(&self, h: usize, q: &[f32], n_q: usize, r: usize, ctx: usize) -> Vec<f32> {
+        let mut out = vec![0f32; ctx * r * HD];
+        let mut qb = Vec::new();
+        let mut s = Vec::new();
+        for j0 in (0..ctx).step_by(BLOCK) {
+            let j1 = (j0 + BLOCK).min(ctx);
+            let rows = (j1 - j0) * r;
+            qb.clear();
+            for j in j0..j1 {
+                qb.extend_from_slice(&q[j * n_q * HD + h * r * HD..][..r * HD]);
+            }
+            s.resize(rows * j1, 0.0);
+            match self {
+                Dense::F32 { k, .. } => dense::scores_f32(HD, &k[h][..j1 * HD], &qb, &mut s),
+                Dense::F16 { k, .. } => dense::scores_f16(HD, &k[h][..j1 * HD], &qb, &mut s),
+            }
+            .unwrap();
+            for (i, row) in s.chunks_exact_mut(j1).enumerate() {
+                let pos = j0 + i / r;
+                kernels::softmax(&mut row[..=pos]);
+                row[pos + 1..].fill(0.0);
+            }
+            let o = &mut out[j0 * r * HD..j1 * r * HD];
+            match self {
+                Dense::F32 { v, .. } => dense::weighted_sum_f32(HD, &v[h][..j1 * HD], &s, o),
+                Dense::F16 { v, .. } => dense::weighted_sum_f16(HD, &v[h][..j1 * HD], &s, o),
+            }
+            .unwrap();
+        }
+        out
+    }
+}
+
+enum Case {
+    Dense(Dense),
+    Cache(Box<LayerCache>),
+}
+
+fn main() {
+    let ctxs = env_list("KVQ_PREFILL_CTX", &[512, 4096]);
+    let nqs = env_list("KVQ_PREFILL_NQ", &[1]);
+    let rounds = env_list("KVQ_PREFILL_ROUNDS", &[10])[0].max(1);
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    for &ctx in &ctxs {
+        let kx = data(ctx * N_KV * HD, 1);
+        let vx = data(ctx * N_KV * HD, 2);
+        let base = CacheConfig::new(N_KV, HD).threads(THREADS);
+        let (pc4, pt4) = (scheme(4, Axis::PerChannel), scheme(4, Axis::PerToken));
+        let (pc8, pt8) = (scheme(8, Axis::PerChannel), scheme(8, Axis::PerToken));
+        let cache = |cfg: CacheConfig| {
+            let mut c = LayerCache::new(cfg).unwrap();
+            c.extend(&kx, &vx).unwrap();
+            Case::Cache(Box::new(c))
+        };
+        let h4 = Codec::hadamard(pt4);
+        let mut cases: Vec<(&str, Case)> = vec![
+            (
+                "dense-f16",
+                Case::Dense(Dense::F16 {
+                    k: head_major(&kx, ctx, f16::from_f32),
+                    v: head_major(&vx, ctx, f16::from_f32),
+                }),
+            ),
+            (
+                "dense-f32",
+                Case::Dense(Dense::F32 {
+                    k: head_major(&kx, ctx, |x| x),
+                    v: head_major(&vx, ctx, |x| x),
+                }),
+            ),
+            ("cache fp32", cache(base)),
+            ("cache 4b-kivi32", cache(base.keys(pc4).values(pt4))),
+            ("cache 8b-kivi32", cache(base.keys(pc8).values(pt8))),
+            ("cache 4b-H-pt32", cache(base.key_codec(h4).value_codec(h4))),
+        ];
+        cases.retain(|(n, _)| {
+            *n == "dense-f16"
+                || filters.is_empty()
+                || filters.iter().any(|f| n.contains(f.as_str()))
+        });
+        for &r in &nqs {
+            let n_q = N_KV * r;
+            let q = data(ctx * n_q * HD, 3);
+            // The cache scales queries itself; the dense path takes them scaled.
+            let scale = 1.0 / (HD as f32).sqrt();
+            let qs: Vec<f32> = q.iter().map(|x| x * scale).collect();
+            let mut out = vec![0f32; q.len()];
+            // The baselines compute what the cache does: every case's output
+            // against the f32 baseline's (printed, as a check on the harness).
+            let mut want = vec![0f32; q.len()];
+            if let Some((_, Case::Dense(d))) = cases.iter().find(|(n, _)| *n == "dense-f32") {
+                d.attend(&qs, n_q, ctx, &mut want);
+            }
+            let mut diffs = Vec::new();
+            for (name, c) in &cases {
+                match c {
+                    Case::Dense(d) => d.attend(&qs, n_q, ctx, &mut out),
+                    Case::Cache(c) => c.attend_causal(&q, n_q, &mut out, None).unwrap(),
+                }
+                let d = out
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                diffs.push(format!("{name} {d:.1e}"));
+            }
+            let mut times = vec![Vec::with_capacity(rounds); cases.len()];
+            for round in 0..rounds + 1 {
+                for k in 0..cases.len() {
+                    let i = (k + round) % cases.len();
+                    let t = Instant::now();
+                    match &cases[i].1 {
+                        Case::Dense(d) => d.attend(&qs, n_q, ctx, &mut out),
+                        Case::Cache(c) => c.attend_causal(&q, n_q, &mut out, None).unwrap(),
+                    }
+                    black_box(&out);
+                    // Round 0 warms up.
+                    if round > 0 {
+                        times[i].push(t.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+            }
+            println!(
+                "\nattend_causal, ctx {ctx}, {N_KV} KV heads of {HD}, {r} query head(s) per KV head, \
+                 {THREADS} threads, {rounds} rounds"
+            );
+            println!("max |output − dense-f32 output|: {}", diffs.join(", "));
+            println!("| case | min ms | median ms | f16 ÷ case, median of rounds |");
+            println!("|---|---:|---:|---:|");
+            let f16 = times[0].clone();
+            for (i, (name, _)) in cases.iter().enumerate() {
+                let mut t = times[i].clone();
+                let mut ratio: Vec<f64> = f16.iter().zip(&t).map(|(a, b)| a / b).collect();
+                t.sort_by(f64::total_cmp);
+                ratio.sort_by(f64::total_cmp);
+                println!(
+                    "| {name} | {:.2} | {:.2} | **{:.2}x** |",
+                    t[0],
+                    t[t.len() / 2],
+                    ratio[ratio.len() / 2]
+                );
+            }
+        }
+    }
+}
