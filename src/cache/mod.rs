@@ -263,6 +263,25 @@ struct Cut {
     v: (usize, Vec<f32>, Pending),
 }
 
+impl Scratch {
+    /// Drop buffers a long call grew past what appends need between calls
+    /// (an f16 prompt widened to f32 would otherwise stay allocated, twice
+    /// the prompt's size, for the cache's lifetime).
+    fn release_large(&mut self) {
+        let keep = 2 * EXTEND_CHUNK_FLOATS;
+        for v in [&mut self.k, &mut self.v] {
+            if v.capacity() > keep {
+                *v = Vec::new();
+            }
+        }
+        for v in [&mut self.codes, &mut self.params] {
+            if v.capacity() > 4 * keep {
+                *v = Vec::new();
+            }
+        }
+    }
+}
+
 /// The quantized K/V cache of one attention layer.
 ///
 /// See the [module docs](self) for where tokens live and an example.
@@ -601,6 +620,7 @@ impl LayerCache {
         check_len(op, "values for values", k.len(), v.len())?;
         let mut s = std::mem::take(&mut self.scratch);
         let r = self.extend_checked(op, k, v, &mut s);
+        s.release_large();
         self.scratch = s;
         r
     }
