@@ -703,6 +703,9 @@ impl Layout {
 pub const MAX_HEADS: usize = 1 << 16;
 /// The largest `head_dim` a layout, quantizer or cache takes.
 pub const MAX_HEAD_DIM: usize = 1 << 16;
+/// The most channels per token (`n_kv_heads·head_dim`) a layout,
+/// quantizer or cache takes.
+pub const MAX_ROW_WIDTH: usize = 1 << 20;
 
 /// Shape check shared by every operation that takes `n_kv_heads`/`head_dim`.
 pub(crate) fn check_shape(op: &'static str, n_kv_heads: usize, head_dim: usize) -> Result<()> {
@@ -718,14 +721,18 @@ pub(crate) fn check_shape(op: &'static str, n_kv_heads: usize, head_dim: usize) 
             what: format!("head_dim must be a positive multiple of 8, got {head_dim}"),
         });
     }
-    // Far above any model (128 heads of 576 channels is the widest in
-    // use), and low enough that what a cache allocates per head and per
-    // channel before its first token stays small for any accepted shape.
-    if n_kv_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM {
+    // Far above any model (128 heads of 576 channels, 73,728 per token, is
+    // the widest in use), and low enough that what a cache allocates per
+    // head and per channel before its first token (at most a few tens of
+    // MiB) stays bounded for any accepted shape.
+    let width = n_kv_heads.checked_mul(head_dim);
+    if n_kv_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || width.is_none_or(|w| w > MAX_ROW_WIDTH)
+    {
         return Err(Error::InvalidShape {
             op,
             what: format!(
-                "{n_kv_heads} heads of {head_dim} channels: kvq takes at most {MAX_HEADS} heads of at most {MAX_HEAD_DIM}"
+                "{n_kv_heads} heads of {head_dim} channels: kvq takes at most {MAX_HEADS} heads, \
+                 {MAX_HEAD_DIM} channels per head and {MAX_ROW_WIDTH} channels per token"
             ),
         });
     }

@@ -463,7 +463,28 @@ pub(crate) fn validate_params(op: &'static str, l: &Layout, params: &[u8]) -> Re
         Axis::PerChannel => l.head_dim(),
     };
     let set = n * s.param_bytes();
+    // The largest code's value must be finite too (a finite scale near
+    // the format's top times 2^bits overflows).
+    let top = f32::from(u16::try_from((1u32 << s.bits()) - 1).unwrap_or(u16::MAX));
     for (k, chunk) in params.chunks(set).enumerate() {
+        let nv = chunk.len() / fb;
+        for g in 0..n.min(nv) {
+            let sc = fmt.read(&chunk[g * fb..]);
+            let ze = if nv > n {
+                fmt.read(&chunk[(n + g) * fb..])
+            } else {
+                0.0
+            };
+            // (Non-finite params are reported as such below.)
+            if sc.is_finite() && ze.is_finite() && (sc.abs() * top + ze.abs()).is_infinite() {
+                return Err(Error::Malformed {
+                    op,
+                    what: format!(
+                        "param set {k}, group {g}: scale {sc} and zero {ze} overflow their grid"
+                    ),
+                });
+            }
+        }
         for i in 0..chunk.len() / fb {
             let v = fmt.read(&chunk[i * fb..]);
             let is_scale = i < n;

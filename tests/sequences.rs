@@ -414,6 +414,14 @@ fn content_checks_behind_a_valid_checksum() {
         ),
         ("bits byte", Box::new(|x| x[16 + 40 + 1] = 0)),
         ("rotation byte", Box::new(|x| x[16 + 40 + 7] = 5)),
+        (
+            "softmax bits without the flag",
+            Box::new(|x| x[16 + 32] = 1),
+        ),
+        (
+            "bytes in a full-precision tag",
+            Box::new(|x| x[16 + 56 + 3] = 1),
+        ),
         ("row counts", Box::new(|x| put_u64(x, K_ROWS_AT + 8, 16))),
         ("sinks", Box::new(|x| put_u64(x, K_ROWS_AT, 1))),
         (
@@ -466,6 +474,19 @@ fn content_checks_behind_a_valid_checksum() {
             r.map(|c| c.len())
         );
     }
+    // A bf16 scale that is finite but whose grid's top code is not (3e38
+    // times 15 overflows f32): attention over it would be inf.
+    let mut rng = Rng::new(15);
+    let bf = scheme(4, Axis::PerToken, Group::Size(32)).with_scale_format(kvq::ScaleFormat::Bf16);
+    let mut c = LayerCache::new(CacheConfig::new(N_KV, HD).keys(bf)).unwrap();
+    let (k, v) = tokens(&mut rng, 3);
+    c.extend(&k, &v).unwrap();
+    let mut x = saved(&c);
+    let at = K_ROWS_AT + 24 + N_KV * bf.layout(N_KV, HD).unwrap().head_code_bytes(3);
+    x[at..at + 2].copy_from_slice(&half::bf16::from_f32(3e38).to_le_bytes());
+    reseal(&mut x);
+    let what = malformed(&x);
+    assert!(what.contains("overflow their grid"), "{what}");
     // A tail longer than the window allows (residual 8, blocks of 32 for
     // the keys): rows cannot be where appends never put them.
     let mut rng = Rng::new(14);
@@ -481,6 +502,35 @@ fn content_checks_behind_a_valid_checksum() {
         LayerCache::load(&x[..]),
         Err(Error::Malformed { .. })
     ));
+}
+
+#[test]
+fn empty_wide_layers_cannot_amplify_a_small_stream() {
+    // A model stream of many empty layers of a wide shape: each costs 120
+    // bytes of input and would make its configuration allocate megabytes.
+    // Loading stops with an error once the configurations claim far more
+    // than the bytes read.
+    let cfg = CacheConfig::new(1 << 13, 128).keys(scheme(4, Axis::PerChannel, Group::Size(32)));
+    let one = KvCache::uniform(1, cfg).unwrap();
+    let mut b = Vec::new();
+    one.save(&mut b).unwrap();
+    let layer = b[16..b.len() - 8].to_vec();
+    let stream = |n: u32| {
+        let mut x = b[..16].to_vec();
+        x[8..12].copy_from_slice(&n.to_le_bytes());
+        for _ in 0..n {
+            x.extend_from_slice(&layer);
+        }
+        x.extend_from_slice(&[0; 8]);
+        reseal(&mut x);
+        x
+    };
+    match KvCache::load(&stream(2000)[..]) {
+        Err(Error::Malformed { what, .. }) => assert!(what.contains("allocate"), "{what}"),
+        r => panic!("expected Malformed, got {:?}", r.map(|m| m.n_layers())),
+    }
+    // A few such layers are backed, and load.
+    assert_eq!(KvCache::load(&stream(3)[..]).unwrap().n_layers(), 3);
 }
 
 #[test]

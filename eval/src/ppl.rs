@@ -232,6 +232,8 @@ impl Reference {
         let kl: f64 = lp
             .iter()
             .zip(logits)
+            // p·log p → 0 where p = 0 (a log-probability of −inf).
+            .filter(|(&a, _)| a > f32::NEG_INFINITY)
             .map(|(&a, &b)| {
                 let a = a as f64;
                 a.exp() * (a - (b as f64 - lse))
@@ -333,9 +335,10 @@ pub fn perplexity_kl(
             )));
         }
     }
-    if let Kl::Record(r) = &mut kl {
-        **r = Reference::default();
-    }
+    // Recorded into a fresh reference, handed over only when the run
+    // succeeds (a failed run leaves the caller's reference as it was).
+    let mut recorded = Reference::default();
+    let mut vocab_mismatch = None;
     let (mut kls, mut same, mut kl2) = (Vec::new(), 0usize, (0.0f64, 0usize));
     let mut report = PplReport {
         all: NllSum::default(),
@@ -354,7 +357,10 @@ pub fn perplexity_kl(
             nlls.push(nll(row, chunk[i + 1] as usize));
             match &mut kl {
                 Kl::Off => {}
-                Kl::Record(r) => r.push(row),
+                Kl::Record(_) => recorded.push(row),
+                Kl::Compare(r) if r.vocab != row.len() => {
+                    vocab_mismatch = Some((r.vocab, row.len()));
+                }
                 Kl::Compare(r) => {
                     let (d, agree) = r.compare(base + i, row);
                     kls.push(d);
@@ -365,6 +371,11 @@ pub fn perplexity_kl(
                 }
             }
         })?;
+        if let Some((want, got)) = vocab_mismatch {
+            return Err(ModelError(format!(
+                "the reference's vocabulary has {want} entries, this model's logits {got}"
+            )));
+        }
         let sum = |v: &[f64]| NllSum {
             nll: v.iter().sum(),
             count: v.len(),
@@ -379,6 +390,10 @@ pub fn perplexity_kl(
         report.token_nll.extend(nlls.iter().map(|&v| v as f32));
         progress(w, &res);
         report.windows.push(res);
+    }
+    if let Kl::Record(r) = kl {
+        *r = recorded;
+        return Ok((report, None));
     }
     let klr = matches!(kl, Kl::Compare(_)).then(|| {
         let count = kls.len();

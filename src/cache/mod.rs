@@ -242,7 +242,8 @@ pub fn attend_batch<T: Element>(
 
 /// Query rows from which full-precision sections are attended through the
 /// blocked dense kernels (their head's rows gathered into one buffer
-/// first); fewer (decode) read the rows in place.
+/// first): prefill blocks, and decode with 8 or more query heads per KV
+/// head. Fewer rows read the section in place.
 const DENSE_BLOCK_ROWS: usize = 8;
 
 /// Head `h`'s `n` rows of full-precision `data` (`[n, width]`), contiguous.
@@ -433,8 +434,10 @@ impl LayerCache {
     /// as deep as the deepest rollback keeps every cut exact.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `len > self.len()`. The cache is
-    /// unchanged on error.
+    /// [`Error::InvalidArgument`] when `len > self.len()`;
+    /// [`Error::ScaleOverflow`] when the decoded tokens of a cut block
+    /// could not be quantized again (values at the very top of the scale
+    /// format's range). The cache is unchanged on error.
     ///
     /// # Example
     /// ```

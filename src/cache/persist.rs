@@ -25,8 +25,12 @@ const KIND_MODEL: u8 = 1;
 /// Bytes read into a buffer at a time: it never grows past what arrived
 /// by more than this.
 const READ_STEP: usize = 1 << 20;
-/// Channels per token (`n_kv_heads·head_dim`) a saved layer may hold.
-const MAX_WIDTH: usize = 1 << 20;
+/// What loading a model may allocate before the rows that back it arrive:
+/// per byte read so far, plus a fixed allowance (a layer's configuration
+/// allocates per head and per channel; a hostile stream of empty layers
+/// must not turn a few bytes into gigabytes).
+const ALLOC_PER_BYTE: usize = 64;
+const ALLOC_ALLOWANCE: usize = 64 << 20;
 
 /// The stream header (16 bytes).
 #[repr(C)]
@@ -284,7 +288,8 @@ fn codec_tag(c: Option<Codec>) -> CodecTag {
 
 fn tag_codec(t: &CodecTag, what: &str) -> std::result::Result<Option<Codec>, String> {
     match t.present {
-        0 => return Ok(None),
+        0 if bytemuck::bytes_of(t).iter().all(|&b| b == 0) => return Ok(None),
+        0 => return Err(format!("{what}: a full-precision tag with non-zero bytes")),
         1 => {}
         x => return Err(format!("{what}: codec byte {x}")),
     }
@@ -402,6 +407,16 @@ impl Tensor {
 }
 
 impl LayerCache {
+    /// Bytes an empty cache of this configuration allocates: per-head
+    /// buffer handles and per-channel running ranges.
+    fn config_alloc(&self) -> usize {
+        let per_tensor = |t: &Tensor| {
+            (t.codes.len() + t.params.len()) * std::mem::size_of::<Vec<u8>>()
+                + (t.pend_min.len() + t.pend_max.len()) * 4
+        };
+        per_tensor(&self.k) + per_tensor(&self.v)
+    }
+
     /// Bytes [`save`](Self::save) writes: [`bytes`](Self::bytes) plus the
     /// headers and the checksum (144 bytes).
     pub fn saved_bytes(&self) -> usize {
@@ -572,13 +587,6 @@ fn layer_config(h: &LayerHeader) -> std::result::Result<CacheConfig, String> {
         u32::from_le(h.n_kv_heads) as usize,
         u32::from_le(h.head_dim) as usize,
     );
-    // The configuration allocates per head and per channel before any row
-    // is read, so its size is bounded too (far above any model's).
-    if n_kv.saturating_mul(hd) > MAX_WIDTH {
-        return Err(format!(
-            "{n_kv} heads of {hd} channels: a saved layer holds at most {MAX_WIDTH} channels per token"
-        ));
-    }
     let flags = u32::from_le(h.flags);
     if flags > 3 {
         return Err(format!("layer flags {flags:#x}"));
@@ -593,6 +601,8 @@ fn layer_config(h: &LayerHeader) -> std::result::Result<CacheConfig, String> {
         .int8_kernels(flags & 2 != 0);
     if flags & 1 != 0 {
         cfg = cfg.softmax_scale(f32::from_bits(u32::from_le(h.softmax_scale)));
+    } else if h.softmax_scale != 0 {
+        return Err("a softmax scale without its flag".into());
     }
     Ok(cfg)
 }
@@ -656,10 +666,24 @@ impl KvCache {
             op: "KvCache::load",
         };
         let n = read_stream_header(&mut i, KIND_MODEL)?;
-        // Grown layer by layer: the count is not trusted for an allocation.
+        // Grown layer by layer: the count is not trusted for an allocation,
+        // and neither is what the layers' configurations allocate.
         let mut layers = Vec::new();
+        let mut claimed = 0usize;
         for _ in 0..n {
-            layers.push(LayerCache::load_layer(&mut i, backend, threads)?);
+            let l = LayerCache::load_layer(&mut i, backend, threads)?;
+            claimed += l.config_alloc();
+            let backed = ALLOC_PER_BYTE
+                .saturating_mul(i.sum.total as usize)
+                .saturating_add(ALLOC_ALLOWANCE);
+            if claimed > backed {
+                return Err(i.bad(format!(
+                    "{} layers whose configurations allocate {claimed} bytes, from {} bytes of stream",
+                    layers.len() + 1,
+                    i.sum.total
+                )));
+            }
+            layers.push(l);
         }
         i.finish()?;
         Ok(KvCache { layers })
