@@ -430,6 +430,27 @@ fn per_channel_overflow_is_caught_at_append() {
     let before = c.clone();
     assert!(matches!(c.append(&b, &a), Err(Error::ScaleOverflow { .. })));
     assert!(c == before);
+    // Small values after a large one in the same open block: the new
+    // tokens alone look safe, the block's range does not (65504 and −2
+    // need a 1-bit scale of 65506). Found by `kvq-fuzz ops`; it panicked
+    // when the block was sealed.
+    let mut c = LayerCache::new(CacheConfig::new(1, 8).keys(s).values(s)).unwrap();
+    let mut big = [0.5f32; 8];
+    big[6] = 65504.0;
+    c.append(&[0.5f32; 8], &big).unwrap();
+    let before = c.clone();
+    let small = [-2.0f32; 8 * 12];
+    assert!(matches!(
+        c.extend(&small, &small),
+        Err(Error::ScaleOverflow { .. })
+    ));
+    assert!(c == before);
+    // Below the overflow the same stream is stored.
+    big[6] = 30000.0;
+    let mut c = LayerCache::new(CacheConfig::new(1, 8).keys(s).values(s)).unwrap();
+    c.append(&[0.5f32; 8], &big).unwrap();
+    c.extend(&small, &small).unwrap();
+    assert_eq!(c.len(), 13);
 }
 
 #[test]

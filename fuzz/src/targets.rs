@@ -189,6 +189,10 @@ fn ops(x: &[u8]) -> String {
         return "config rejected".into();
     };
     let w = n_kv * hd;
+    let trace = std::env::var_os("KVQ_FUZZ_TRACE").is_some();
+    if trace {
+        eprintln!("config {cfg:?}");
+    }
     let mut tag = String::new();
     let mut steps = 0;
     while !c.exhausted() && steps < 24 {
@@ -199,6 +203,9 @@ fn ops(x: &[u8]) -> String {
                 let n = if c.u8() < 230 { w } else { c.count(3 * w) };
                 let k: Vec<f32> = (0..n.min(4 * w)).map(|_| c.value()).collect();
                 let v: Vec<f32> = (0..n.min(4 * w)).map(|_| c.value()).collect();
+                if trace {
+                    eprintln!("append: v = {v:?}");
+                }
                 cache.append(&k, &v)
             }
             2 => {
@@ -211,6 +218,9 @@ fn ops(x: &[u8]) -> String {
                 } else {
                     v
                 };
+                if trace {
+                    eprintln!("extend {t} tokens (+{extra}): v = {v:?}");
+                }
                 cache.extend(&k, &v)
             }
             3 => {
@@ -273,6 +283,13 @@ fn ops(x: &[u8]) -> String {
                 Ok(())
             }
         };
+        if trace {
+            eprintln!(
+                "step {steps}: len {} -> {}: {r:?}",
+                before.len(),
+                cache.len()
+            );
+        }
         if r.is_err() {
             assert!(cache == before, "a rejected call changed the cache: {r:?}");
         }

@@ -17,7 +17,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::rotation::Hadamard;
-use super::{group_params, min_max, quantize_channel_block, quantize_token, safe_abs};
+use super::{
+    abs_max_finite, group_params, min_max, quantize_channel_block, quantize_token, safe_abs,
+};
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::scheme::{Axis, Layout, QuantScheme};
@@ -304,8 +306,14 @@ impl KvCodec for UniformCodec {
         let s = l.scheme();
         let width = l.n_kv_heads() * l.head_dim();
         // Common case: every value is small enough that no scale can
-        // overflow; only the per-channel running range needs updating.
-        if abs_max <= safe_abs(s.scale_format()) {
+        // overflow; only the per-channel running range needs updating. (A
+        // per-channel block already open may hold large values from an
+        // earlier call: then its range decides, row by row, below.)
+        let safe = safe_abs(s.scale_format());
+        let open_block_large = s.axis() == Axis::PerChannel
+            && !first.is_multiple_of(l.group_len())
+            && abs_max_finite(&pend.0).0.max(abs_max_finite(&pend.1).0) > safe;
+        if abs_max <= safe && !open_block_large {
             if s.axis() == Axis::PerChannel {
                 advance_pending(l, rows, first, pend);
             }
