@@ -102,7 +102,7 @@ struct Scratch {
     params: Vec<u8>,
     /// Working copies of the K and V running ranges (min, max) for a
     /// call, swapped in on success (reused, so an append allocates nothing).
-    pend: [(Vec<f32>, Vec<f32>); 2],
+    pend: [Pending; 2],
 }
 
 /// Bytes `caches` hold together: each cache's own rows and packed
@@ -676,8 +676,8 @@ impl LayerCache {
         let chunk = (EXTEND_CHUNK_FLOATS / w).max(8);
         let marks = (self.k.mark(), self.v.mark(), self.len);
         let [mut pk, mut pv] = std::mem::take(&mut s.pend);
-        self.k.pending_into(&mut pk);
-        self.v.pending_into(&mut pv);
+        pk.copy_from(&self.k.pend);
+        pv.copy_from(&self.v.pend);
         let mut q = Scratch {
             codes: std::mem::take(&mut s.codes),
             params: std::mem::take(&mut s.params),
@@ -709,10 +709,8 @@ impl LayerCache {
         s.params = q.params;
         if ok {
             // The new ranges in; the old ones kept as next call's buffers.
-            std::mem::swap(&mut self.k.pend_min, &mut pk.0);
-            std::mem::swap(&mut self.k.pend_max, &mut pk.1);
-            std::mem::swap(&mut self.v.pend_min, &mut pv.0);
-            std::mem::swap(&mut self.v.pend_max, &mut pv.1);
+            std::mem::swap(&mut self.k.pend, &mut pk);
+            std::mem::swap(&mut self.v.pend, &mut pv);
         }
         s.pend = [pk, pv];
         if !ok {
@@ -741,8 +739,7 @@ impl LayerCache {
     ) -> Result<()> {
         check_finite(op, k, n_kv, hd, 0)?;
         check_finite(op, v, n_kv, hd, 0)?;
-        let mut pk = (self.k.pend_min.clone(), self.k.pend_max.clone());
-        let mut pv = (self.v.pend_min.clone(), self.v.pend_max.clone());
+        let (mut pk, mut pv) = (self.k.pend.clone(), self.v.pend.clone());
         self.k
             .check(op, k, abs_max_finite(k).0, self.len, &mut pk)?;
         self.v.check(op, v, abs_max_finite(v).0, self.len, &mut pv)

@@ -397,8 +397,8 @@ impl Tensor {
         let tail = i.take_f32(tail_len, "full-precision rows")?;
         check_finite(op, &tail, n_kv, hd, sink_rows + packed).map_err(content)?;
         let pend = self.tail_pending(op, &tail, packed).map_err(content)?;
-        if !self.pend_min.is_empty() {
-            (self.pend_min, self.pend_max) = pend;
+        if !self.pend.min.is_empty() {
+            self.pend = pend;
         }
         self.tail = tail;
         self.tail_start = 0;
@@ -412,7 +412,7 @@ impl LayerCache {
     fn config_alloc(&self) -> usize {
         let per_tensor = |t: &Tensor| {
             (t.codes.len() + t.params.len()) * std::mem::size_of::<Vec<u8>>()
-                + (t.pend_min.len() + t.pend_max.len()) * 4
+                + (t.pend.min.len() + t.pend.max.len()) * 4
         };
         per_tensor(&self.k) + per_tensor(&self.v)
     }

@@ -25,8 +25,7 @@ pub(super) struct Tensor {
     pub(super) codes: Vec<Vec<u8>>,
     pub(super) params: Vec<Vec<u8>>,
     /// Per-channel: running min/max of the block being filled.
-    pub(super) pend_min: Vec<f32>,
-    pub(super) pend_max: Vec<f32>,
+    pub(super) pend: Pending,
 }
 
 /// Packed buffers frozen by a fork (the live buffers' shape).
@@ -59,21 +58,11 @@ impl PartialEq for Tensor {
             && self.packed == o.packed
             && (0..self.codes.len()).all(|h| self.head_codes(h) == o.head_codes(h))
             && (0..self.params.len()).all(|i| self.param_buf(i) == o.param_buf(i))
-            && (!self.pending_live()
-                || (self.pend_min == o.pend_min && self.pend_max == o.pend_max))
+            && (!self.pending_live() || self.pend == o.pend)
     }
 }
 
 impl Tensor {
-    /// Copy the running per-channel ranges into `(min, max)` (reusing
-    /// their allocations).
-    pub(super) fn pending_into(&self, p: &mut (Vec<f32>, Vec<f32>)) {
-        p.0.clear();
-        p.0.extend_from_slice(&self.pend_min);
-        p.1.clear();
-        p.1.extend_from_slice(&self.pend_max);
-    }
-
     pub(super) fn new(
         codec: Option<Arc<dyn KvCodec>>,
         n_kv: usize,
@@ -99,8 +88,7 @@ impl Tensor {
             frozen: Vec::new(),
             codes: vec![Vec::new(); n_kv],
             params: vec![Vec::new(); np],
-            pend_min: if pc { vec![0.0; n_kv * hd] } else { Vec::new() },
-            pend_max: if pc { vec![0.0; n_kv * hd] } else { Vec::new() },
+            pend: Pending::new(if pc { n_kv * hd } else { 0 }),
         }
     }
 
@@ -109,7 +97,7 @@ impl Tensor {
     /// its value is then of no consequence).
     pub(super) fn pending_live(&self) -> bool {
         match self.layout() {
-            Some(l) if !self.pend_min.is_empty() => {
+            Some(l) if !self.pend.min.is_empty() => {
                 !(self.packed + self.tail_rows()).is_multiple_of(l.block_tokens())
             }
             _ => false,
@@ -125,10 +113,7 @@ impl Tensor {
         tail: &[f32],
         packed: usize,
     ) -> Result<Pending> {
-        let mut p = (
-            vec![0.0; self.pend_min.len()],
-            vec![0.0; self.pend_max.len()],
-        );
+        let mut p = Pending::new(self.pend.min.len());
         // A non-empty tail follows every sink position.
         self.check(
             op,
@@ -478,8 +463,8 @@ impl Tensor {
         self.tail.clear();
         self.tail.extend_from_slice(tail);
         self.tail_start = 0;
-        if !self.pend_min.is_empty() {
-            (self.pend_min, self.pend_max) = pend;
+        if !self.pend.min.is_empty() {
+            self.pend = pend;
         }
     }
 

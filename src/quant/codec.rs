@@ -17,18 +17,47 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::rotation::Hadamard;
-use super::{
-    abs_max_finite, group_params, min_max, quantize_channel_block, quantize_token, safe_abs,
-};
+use super::{group_params, min_max, quantize_channel_block, quantize_token, safe_abs};
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::scheme::{Axis, Layout, QuantScheme};
 use crate::simd::Backend;
 use crate::store::PackedHead;
 
-/// The running `(min, max)` per channel of a per-channel block being filled
-/// (`[n_kv_heads·head_dim]` each; empty for per-token formats).
-pub type Pending = (Vec<f32>, Vec<f32>);
+/// The per-channel block being filled: its running range per channel.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Pending {
+    /// Per channel minimum of the block's rows so far
+    /// (`[n_kv_heads·head_dim]`; empty for per-token formats).
+    pub min: Vec<f32>,
+    /// Per channel maximum, likewise.
+    pub max: Vec<f32>,
+    /// Whether a row of the block so far held a value beyond the bound
+    /// below which no scale can overflow (so the block's range, not the
+    /// new rows alone, decides whether later rows fit). Follows from `min`
+    /// and `max`; kept so an append need not scan them.
+    pub large: bool,
+}
+
+impl Pending {
+    /// An empty block state for rows of `width` values.
+    pub fn new(width: usize) -> Self {
+        Pending {
+            min: vec![0.0; width],
+            max: vec![0.0; width],
+            large: false,
+        }
+    }
+
+    /// Copy `o` into `self`, reusing the allocations.
+    pub fn copy_from(&mut self, o: &Pending) {
+        self.min.clear();
+        self.min.extend_from_slice(&o.min);
+        self.max.clear();
+        self.max.extend_from_slice(&o.max);
+        self.large = o.large;
+    }
+}
 
 /// A stored K or V format: what the cache calls (see the [module
 /// docs](self)).
@@ -310,9 +339,7 @@ impl KvCodec for UniformCodec {
         // per-channel block already open may hold large values from an
         // earlier call: then its range decides, row by row, below.)
         let safe = safe_abs(s.scale_format());
-        let open_block_large = s.axis() == Axis::PerChannel
-            && !first.is_multiple_of(l.group_len())
-            && abs_max_finite(&pend.0).0.max(abs_max_finite(&pend.1).0) > safe;
+        let open_block_large = pend.large && !first.is_multiple_of(l.group_len());
         if abs_max <= safe && !open_block_large {
             if s.axis() == Axis::PerChannel {
                 advance_pending(l, rows, first, pend);
@@ -346,7 +373,9 @@ impl KvCodec for UniformCodec {
                 }
                 Axis::PerChannel => {
                     let opens = (first + i).is_multiple_of(l.group_len());
-                    let (mn, mx) = pend;
+                    let big = row.iter().any(|v| v.abs() > safe);
+                    pend.large = big || (pend.large && !opens);
+                    let (mn, mx) = (&mut pend.min, &mut pend.max);
                     for c in 0..width {
                         if opens {
                             mn[c] = row[c];
@@ -430,17 +459,20 @@ impl KvCodec for UniformCodec {
     }
 }
 
-/// Per-channel: fold `rows` (the first at packed position `first`) into
-/// the running min/max of their blocks.
+/// Per-channel: fold `rows` (the first at packed position `first`, every
+/// value within the fast check's bound) into the running min/max of their
+/// blocks.
 fn advance_pending(l: &Layout, rows: &[f32], first: usize, pend: &mut Pending) {
     let (g, width) = (l.group_len(), l.n_kv_heads() * l.head_dim());
-    let (mn, mx) = pend;
     // Only the rows from the last block start on decide the state.
     let n = rows.len() / width;
-    let last_start = (0..n)
-        .rev()
-        .find(|&i| (first + i).is_multiple_of(g))
-        .unwrap_or(0);
+    let opened = (0..n).rev().find(|&i| (first + i).is_multiple_of(g));
+    if opened.is_some() {
+        // A block of these small rows only.
+        pend.large = false;
+    }
+    let last_start = opened.unwrap_or(0);
+    let (mn, mx) = (&mut pend.min, &mut pend.max);
     for (i, row) in rows.chunks_exact(width).enumerate().skip(last_start) {
         if (first + i).is_multiple_of(g) {
             mn.copy_from_slice(row);
