@@ -347,10 +347,7 @@ fn kl_against_a_reference_run() {
     )
     .unwrap();
     let q = q.unwrap();
-    assert!(
-        q.mean > 1e-6 && q.p99 >= q.mean && q.same_top1 <= 1.0,
-        "{q:?}"
-    );
+    assert!(q.mean > 1e-6 && q.p99 >= q.mean && q.count == 60, "{q:?}");
     let dec = PplOptions {
         path: EvalPath::Decode,
         ..opts.clone()

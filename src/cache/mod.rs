@@ -175,12 +175,7 @@ pub fn attend_batch<T: Element>(
     };
     let (n_kv, hd) = (first.cfg.n_kv_heads, first.cfg.head_dim);
     let n_seq = caches.len();
-    let qw = n_q_heads
-        .checked_mul(hd)
-        .ok_or_else(|| Error::InvalidShape {
-            op,
-            what: format!("{n_q_heads} query heads of {hd} channels do not fit"),
-        })?;
+    let qw = query_width(op, n_q_heads, hd)?;
     let total = n_seq.checked_mul(qw).ok_or_else(|| Error::InvalidShape {
         op,
         what: format!("{n_seq} sequences of {qw} query values do not fit"),
@@ -238,6 +233,16 @@ pub fn attend_batch<T: Element>(
         out[i * qw..(i + 1) * qw].copy_from_slice(t);
     }
     Ok(())
+}
+
+/// Values of one position's queries, `n_q_heads·head_dim`, when it fits.
+fn query_width(op: &'static str, n_q_heads: usize, hd: usize) -> Result<usize> {
+    n_q_heads
+        .checked_mul(hd)
+        .ok_or_else(|| Error::InvalidShape {
+            op,
+            what: format!("{n_q_heads} query heads of {hd} channels do not fit"),
+        })
 }
 
 /// Query rows from which full-precision sections are attended through the
@@ -852,12 +857,7 @@ impl LayerCache {
         let op = "attend";
         let r = self.check_heads(op, n_q_heads)?;
         let hd = self.cfg.head_dim;
-        let qw = n_q_heads
-            .checked_mul(hd)
-            .ok_or_else(|| Error::InvalidShape {
-                op,
-                what: format!("{n_q_heads} query heads of {hd} channels do not fit"),
-            })?;
+        let qw = query_width(op, n_q_heads, hd)?;
         let what = "query values (a positive multiple of n_q_heads·head_dim)";
         let n = check_rows(op, what, q.len(), qw)?;
         check_len(op, "output values", q.len(), out.len())?;
