@@ -4,7 +4,7 @@
 use half::f16;
 mod common;
 
-use common::Rng;
+use common::{max_abs_diff, Rng};
 use kvq::cache::dense_attention;
 use kvq::{Axis, CacheConfig, Error, Group, KvCache, LayerCache, Mode, QuantScheme, ScaleFormat};
 
@@ -14,14 +14,6 @@ fn scheme(bits: u8, axis: Axis, group: Group) -> QuantScheme {
 
 fn kivi(bits: u8) -> (QuantScheme, QuantScheme) {
     kvq::presets::kivi(bits).unwrap()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// Fill a cache with `len` random tokens; returns the raw K and V.

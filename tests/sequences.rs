@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::Rng;
+use common::{max_abs_diff, Rng};
 use kvq::cache::{attend_batch, dense_attention, resident_bytes};
 use kvq::{
     presets, Axis, Backend, CacheConfig, Codec, Error, Group, KvCache, LayerCache, Mode,
@@ -82,14 +82,6 @@ fn scale(c: &LayerCache) -> f32 {
     }
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 fn saved(c: &LayerCache) -> Vec<u8> {
     let mut b = Vec::new();
     c.save(&mut b).unwrap();
@@ -140,9 +132,9 @@ fn truncate_keeps_the_kept_tokens_exactly() {
                 2e-4
             };
             assert!(
-                max_diff(&got, &want) < tol,
+                max_abs_diff(&got, &want) < tol,
                 "{name} cut {cut}: {}",
-                max_diff(&got, &want)
+                max_abs_diff(&got, &want)
             );
         }
     }
@@ -674,7 +666,7 @@ proptest! {
                 let q = rng.vec(4 * HD);
                 let got = attend(&c, &q, 4);
                 let want = dense_attention(&q, 4, &sk, &sv, N_KV, HD, 1.0 / 8.0);
-                let d = max_diff(&got, &want);
+                let d = max_abs_diff(&got, &want);
                 // 8 bits, values in [−1, 1]: a step of at most 2/255 per
                 // element, half of it per rounding, two roundings for
                 // re-sealed per-channel tokens.
@@ -694,7 +686,7 @@ fn load_on_picks_the_backend() {
     let back = LayerCache::load_on(&b[..], Some(Backend::Portable), 1).unwrap();
     assert_eq!(back.backend(), Backend::Portable);
     let q = Rng::new(3).vec(HD * 2);
-    let d = max_diff(&attend(&back, &q, 2), &attend(&c, &q, 2));
+    let d = max_abs_diff(&attend(&back, &q, 2), &attend(&c, &q, 2));
     assert!(d < 1e-5, "{d}");
 }
 
@@ -788,7 +780,7 @@ proptest! {
             prop_assert_eq!(saved(c), saved(&fresh));
             if !c.is_empty() {
                 let q = rng.vec(2 * HD);
-                let d = max_diff(&attend(c, &q, 2), &attend(&fresh, &q, 2));
+                let d = max_abs_diff(&attend(c, &q, 2), &attend(&fresh, &q, 2));
                 prop_assert!(d < 1e-5, "sequence {} diff {}", i, d);
             }
         }
@@ -838,7 +830,7 @@ fn forks_share_the_prompt() {
     alone.extend(&k3, &v3).unwrap();
     assert!(b1 == alone);
     let q = rng.vec(4 * HD);
-    assert!(max_diff(&attend(&b1, &q, 4), &attend(&alone, &q, 4)) < 1e-5);
+    assert!(max_abs_diff(&attend(&b1, &q, 4), &attend(&alone, &q, 4)) < 1e-5);
     let r2 = resident_bytes(beams.iter().chain([&prompt])).total();
     let own: usize = beams.iter().map(|b| b.bytes().total() - one).sum();
     assert!(r2 <= one + own + 8 * window, "{r2}");

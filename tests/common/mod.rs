@@ -1,5 +1,6 @@
 //! What the integration tests share: one seeded generator, the list of
-//! backends under test, and the kernel-against-oracle tolerance.
+//! backends under test, the kernel-against-oracle tolerance, and the
+//! largest element-wise difference of two outputs.
 //!
 //! Each test binary compiles its own copy, so an item one of them does not
 //! use is expected.
@@ -102,4 +103,13 @@ pub fn backends() -> Vec<Backend> {
         .copied()
         .filter(|b| available.contains(b))
         .collect()
+}
+
+/// The largest `|a_i − b_i|` (the lengths must agree).
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
