@@ -6,7 +6,8 @@
 use kvq_eval::capture::{Capture, Recorder};
 use kvq_eval::gguf::{GgmlType, Gguf, Value};
 use kvq_eval::model::{
-    Config, DenseStore, Hooks, KvStore, Model, QuantPoint, RopeStyle, RoundTrip,
+    Activation, Config, DenseStore, Hooks, KvStore, Model, QuantPoint, RopeStyle, RoundTrip,
+    SlidingWindow,
 };
 use kvq_eval::ppl::{
     perplexity, perplexity_kl, window_logits, EvalPath, Kl, PplOptions, Reference,
@@ -29,6 +30,9 @@ fn tiny_config(rope_style: RopeStyle) -> Config {
         rope_style,
         rms_eps: 1e-5,
         ctx_len: 128,
+        activation: Activation::Silu,
+        embed_scale: 1.0,
+        sliding: None,
     }
 }
 
@@ -204,12 +208,20 @@ impl KvStore for QuantStore {
         l: usize,
         q: &[f32],
         h: usize,
+        w: Option<usize>,
         o: &mut [f32],
     ) -> Result<(), String> {
-        self.0.attend_causal(l, q, h, o)
+        self.0.attend_causal(l, q, h, w, o)
     }
-    fn attend(&mut self, l: usize, q: &[f32], h: usize, o: &mut [f32]) -> Result<(), String> {
-        self.0.attend(l, q, h, o)
+    fn attend(
+        &mut self,
+        l: usize,
+        q: &[f32],
+        h: usize,
+        w: Option<usize>,
+        o: &mut [f32],
+    ) -> Result<(), String> {
+        self.0.attend(l, q, h, w, o)
     }
     fn reset(&mut self) {
         self.0.reset()
@@ -745,25 +757,32 @@ fn gguf_deeply_nested_arrays_are_rejected() {
     assert!(Gguf::parse(b.build()).is_err());
 }
 
-/// A tiny llama-architecture GGUF with F32 weights loads into the same model.
-#[test]
-fn model_loads_from_gguf_metadata_and_tensors() {
-    let cfg = tiny_config(RopeStyle::Adjacent);
-    let m = Model::random(cfg.clone(), 13, false);
+/// A GGUF file with `m`'s weights as F32 tensors under architecture `arch`.
+fn gguf_of(m: &Model, arch: &str) -> Gguf {
+    let cfg = &m.cfg;
     let mut b = GgufBuilder::new(32);
-    b.kv_str("general.architecture", "llama")
-        .kv_u32("llama.block_count", cfg.n_layers as u32)
-        .kv_u32("llama.embedding_length", cfg.d_model as u32)
-        .kv_u32("llama.feed_forward_length", cfg.ffn_dim as u32)
-        .kv_u32("llama.attention.head_count", cfg.n_heads as u32)
-        .kv_u32("llama.attention.head_count_kv", cfg.n_kv_heads as u32)
-        .kv_f32("llama.rope.freq_base", cfg.rope_base as f32)
-        .kv_f32("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps)
-        .kv_u32("llama.context_length", cfg.ctx_len as u32)
-        .kv_u32("llama.vocab_size", cfg.vocab_size as u32);
+    let key = |k: &str| format!("{arch}.{k}");
+    b.kv_str("general.architecture", arch)
+        .kv_u32(&key("block_count"), cfg.n_layers as u32)
+        .kv_u32(&key("embedding_length"), cfg.d_model as u32)
+        .kv_u32(&key("feed_forward_length"), cfg.ffn_dim as u32)
+        .kv_u32(&key("attention.head_count"), cfg.n_heads as u32)
+        .kv_u32(&key("attention.head_count_kv"), cfg.n_kv_heads as u32)
+        .kv_f32(&key("rope.freq_base"), cfg.rope_base as f32)
+        .kv_f32(&key("attention.layer_norm_rms_epsilon"), cfg.rms_eps)
+        .kv_u32(&key("context_length"), cfg.ctx_len as u32)
+        .kv_u32(&key("vocab_size"), cfg.vocab_size as u32);
+    if let Some(s) = cfg.sliding {
+        b.kv_u32(&key("attention.sliding_window"), s.window as u32);
+    }
     let mat = |b: &mut GgufBuilder, name: &str, a: &ndarray::Array2<f32>| {
         let (r, c) = a.dim();
         b.f32_tensor(name, &[c as u64, r as u64], a.as_slice().unwrap());
+    };
+    let vec = |b: &mut GgufBuilder, name: &str, v: &Option<Vec<f32>>| {
+        if let Some(v) = v {
+            b.f32_tensor(name, &[v.len() as u64], v);
+        }
     };
     mat(&mut b, "token_embd.weight", &m.tok_embd);
     for (l, w) in m.layers.iter().enumerate() {
@@ -773,20 +792,136 @@ fn model_loads_from_gguf_metadata_and_tensors() {
         mat(&mut b, &n("attn_k"), &w.wk);
         mat(&mut b, &n("attn_v"), &w.wv);
         mat(&mut b, &n("attn_output"), &w.wo);
+        vec(&mut b, &n("attn_q_norm"), &w.q_norm);
+        vec(&mut b, &n("attn_k_norm"), &w.k_norm);
+        vec(&mut b, &n("post_attention_norm"), &w.post_attn_norm);
         b.f32_tensor(&n("ffn_norm"), &[cfg.d_model as u64], &w.ffn_norm);
         mat(&mut b, &n("ffn_gate"), &w.w_gate);
         mat(&mut b, &n("ffn_up"), &w.w_up);
         mat(&mut b, &n("ffn_down"), &w.w_down);
+        vec(&mut b, &n("post_ffw_norm"), &w.post_ffn_norm);
     }
     b.f32_tensor("output_norm.weight", &[cfg.d_model as u64], &m.out_norm);
-    let g = Gguf::parse(b.build()).unwrap();
-    let loaded = Model::from_gguf(&g).unwrap();
-    assert_eq!(loaded.cfg, cfg);
-    let toks = tokens(10, cfg.vocab_size, 1);
-    assert_eq!(
-        prefill_logits(&loaded, &toks, &mut Hooks::default()),
-        prefill_logits(&m, &toks, &mut Hooks::default())
-    );
+    Gguf::parse(b.build()).unwrap()
+}
+
+/// Tiny llama- and gemma3-architecture GGUFs with F32 weights load into the
+/// same models; the gemma3 file gets llama.cpp's Gemma 3 defaults (every
+/// sixth layer global, local RoPE base 10⁴, tanh-GELU, `√d` embedding scale).
+#[test]
+fn model_loads_from_gguf_metadata_and_tensors() {
+    let cfg = tiny_config(RopeStyle::Adjacent);
+    let gemma = Config {
+        n_layers: 7,
+        rope_base: 1e6,
+        rope_style: RopeStyle::Halves,
+        activation: Activation::GeluTanh,
+        embed_scale: (32f32).sqrt(),
+        sliding: Some(SlidingWindow {
+            window: 5,
+            period: 6,
+            rope_base: 1e4,
+        }),
+        ..cfg.clone()
+    };
+    for (arch, cfg, norms) in [("llama", cfg, false), ("gemma3", gemma, true)] {
+        let m = Model::random_with_norms(cfg.clone(), 13, norms, norms);
+        let loaded = Model::from_gguf(&gguf_of(&m, arch)).unwrap();
+        assert_eq!(loaded.cfg, cfg, "{arch}");
+        assert_eq!(loaded.layers[0].post_ffn_norm.is_some(), norms);
+        let toks = tokens(12, cfg.vocab_size, 1);
+        assert_eq!(
+            prefill_logits(&loaded, &toks, &mut Hooks::default()),
+            prefill_logits(&m, &toks, &mut Hooks::default()),
+            "{arch}"
+        );
+    }
+}
+
+/// A Gemma-shaped tiny model: q/k norms, post norms, tanh-GELU, embedding
+/// scale, NeoX RoPE and sliding-window layers (`window` positions, layers
+/// `period - 1` of every `period` local).
+fn tiny_gemma(window: usize, period: usize) -> Model {
+    let cfg = Config {
+        n_layers: 3,
+        n_heads: 4,
+        n_kv_heads: 1,
+        rope_base: 1e6,
+        rope_style: RopeStyle::Halves,
+        activation: Activation::GeluTanh,
+        embed_scale: (32f32).sqrt(),
+        sliding: Some(SlidingWindow {
+            window,
+            period,
+            rope_base: 1e4,
+        }),
+        ..tiny_config(RopeStyle::Halves)
+    };
+    Model::random_with_norms(cfg, 31, true, true)
+}
+
+#[test]
+fn gemma_layers_alternate_local_and_global() {
+    let m = tiny_gemma(4, 3);
+    let windows: Vec<_> = (0..3).map(|l| m.cfg.layer_window(l)).collect();
+    assert_eq!(windows, [Some(4), Some(4), None]);
+    let bases: Vec<_> = (0..3).map(|l| m.cfg.layer_rope_base(l)).collect();
+    assert_eq!(bases, [1e4, 1e4, 1e6]);
+    // Reference values of tanh-GELU (the formula evaluated in f64).
+    for (x, want) in [(1.0f32, 0.841_192), (-3.0, -0.003_637_4), (0.0, 0.0)] {
+        let got = Activation::GeluTanh.apply(x);
+        assert!((got - want).abs() < 1e-5, "gelu({x}) = {got}");
+    }
+}
+
+#[test]
+fn gemma_prefill_equals_decode_on_dense_and_kvq_stores() {
+    use kvq_eval::kvq_store::{CacheSpec, KvqStore};
+    let m = tiny_gemma(5, 3);
+    let toks = tokens(29, m.cfg.vocab_size, 3);
+    let a = prefill_logits(&m, &toks, &mut Hooks::default());
+    let b = decode_logits(&m, &toks, &mut Hooks::default());
+    let scale = a.iter().fold(0.0f32, |s, v| s.max(v.abs()));
+    assert!(scale > 0.1, "degenerate logits");
+    assert!(max_abs_diff(&a, &b) <= 2e-5 * scale);
+    // The kvq cache at full precision applies the same windows.
+    let (c, hd) = (&m.cfg, m.cfg.head_dim);
+    let mut store = KvqStore::new(c.n_layers, c.n_kv_heads, hd, CacheSpec::FULL).unwrap();
+    let k = window_logits(&m, &toks, &mut store, &mut Hooks::default()).unwrap();
+    assert!(max_abs_diff(&a, &k) <= 2e-5 * scale);
+    store.reset();
+    let mut decoded = Vec::new();
+    for (i, &t) in toks.iter().enumerate() {
+        let h = m.forward(&[t], i, &mut store, &mut Hooks::default());
+        decoded.extend(m.logits(h.unwrap().view()).iter());
+    }
+    assert_eq!(store.cache().layer(0).len(), toks.len());
+    assert!(max_abs_diff(&a, &decoded) <= 2e-5 * scale);
+}
+
+#[test]
+fn sliding_window_bounds_what_a_position_sees() {
+    // Only local layers: with 3 layers of window 4, position p depends on
+    // tokens p-9 ..= p, so changing token 0 leaves positions >= 10 exactly
+    // unchanged and moves position 9.
+    let m = tiny_gemma(4, 10);
+    assert!((0..3).all(|l| m.cfg.layer_window(l) == Some(4)));
+    let toks = tokens(16, m.cfg.vocab_size, 5);
+    let mut other = toks.clone();
+    other[0] = (toks[0] + 1) % m.cfg.vocab_size as u32;
+    let vocab = m.cfg.vocab_size;
+    let a = prefill_logits(&m, &toks, &mut Hooks::default());
+    let b = prefill_logits(&m, &other, &mut Hooks::default());
+    let at = |x: &[f32], p: usize| x[p * vocab..(p + 1) * vocab].to_vec();
+    assert!(max_abs_diff(&at(&a, 9), &at(&b, 9)) > 1e-6);
+    for p in 10..16 {
+        assert_eq!(at(&a, p), at(&b, p), "position {p}");
+    }
+    // With the last layer global, the change reaches the end.
+    let m = tiny_gemma(4, 3);
+    let a = prefill_logits(&m, &toks, &mut Hooks::default());
+    let b = prefill_logits(&m, &other, &mut Hooks::default());
+    assert!(max_abs_diff(&at(&a, 15), &at(&b, 15)) > 1e-6);
 }
 
 // ------------------------------------------------------------ tokenizer ----

@@ -95,11 +95,12 @@ impl KvStore for KvqStore {
         layer: usize,
         q: &[f32],
         n_q_heads: usize,
+        window: Option<usize>,
         out: &mut [f32],
     ) -> Result<(), String> {
         self.cache
             .layer(layer)
-            .attend_causal(q, n_q_heads, out, None)
+            .attend_causal(q, n_q_heads, out, window)
             .map_err(|e| e.to_string())
     }
 
@@ -108,11 +109,12 @@ impl KvStore for KvqStore {
         layer: usize,
         q: &[f32],
         n_q_heads: usize,
+        window: Option<usize>,
         out: &mut [f32],
     ) -> Result<(), String> {
         self.cache
             .layer(layer)
-            .attend(q, n_q_heads, out)
+            .attend_causal(q, n_q_heads, out, window)
             .map_err(|e| e.to_string())
     }
 

@@ -1,9 +1,17 @@
-//! A small reference transformer (Llama-style) with a pluggable KV cache.
+//! A small reference transformer (Llama, Qwen3 and Gemma 3 shapes) with a
+//! pluggable KV cache.
 //!
-//! Architecture: token embedding -> `n_layers` x [RMSNorm -> attention (GQA,
-//! RoPE, optional per-head q/k RMSNorm) -> residual -> RMSNorm -> SwiGLU MLP ->
-//! residual] -> RMSNorm -> output head (tied to the token embedding unless the
-//! file has `output.weight`).
+//! Architecture: token embedding (times [`Config::embed_scale`]) ->
+//! `n_layers` x [RMSNorm -> attention (GQA, RoPE, optional per-head q/k
+//! RMSNorm, optional sliding window) -> optional post-attention RMSNorm ->
+//! residual -> RMSNorm -> gated MLP (SiLU or tanh-GELU gate) -> optional
+//! post-MLP RMSNorm -> residual] -> RMSNorm -> output head (tied to the token
+//! embedding unless the file has `output.weight`).
+//!
+//! Gemma 3 (`gemma3` GGUF) uses every optional part: q/k norms, the two post
+//! norms, the tanh-GELU gate, embeddings scaled by `√d_model`, and
+//! [`SlidingWindow`] layers (five of every six see only the last 512
+//! positions and use RoPE base 10⁴; the sixth is global with base 10⁶).
 //!
 //! Weights are dequantized to `f32` at load time; large matrix products go
 //! through `ndarray`'s `dot` (matrixmultiply, threaded), single-token products
@@ -72,6 +80,44 @@ pub enum RopeStyle {
     Halves,
 }
 
+/// The gate activation of the MLP: `down(act(gate(x)) * up(x))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x·σ(x)` (SwiGLU: Llama, Qwen).
+    Silu,
+    /// GELU with the tanh approximation (GeGLU: Gemma).
+    GeluTanh,
+}
+
+impl Activation {
+    /// The activation of one value.
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Activation::Silu => x / (1.0 + (-x).exp()),
+            Activation::GeluTanh => {
+                const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+                0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+            }
+        }
+    }
+}
+
+/// Sliding-window attention on some layers (Gemma 3's local layers).
+///
+/// Layers come in periods of `period`: the last layer of each period is
+/// global (full causal attention, [`Config::rope_base`]); the others are
+/// local: a query sees only the last `window` positions, its own included,
+/// and RoPE uses `rope_base`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlidingWindow {
+    /// Positions a local layer's query sees, its own included.
+    pub window: usize,
+    /// Layers per period (the last of each is global).
+    pub period: usize,
+    /// RoPE frequency base of the local layers.
+    pub rope_base: f64,
+}
+
 /// Hyper-parameters of the transformer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -99,20 +145,31 @@ pub struct Config {
     pub rms_eps: f32,
     /// Training context length (informational).
     pub ctx_len: usize,
+    /// The MLP's gate activation.
+    pub activation: Activation,
+    /// Factor on the token embeddings before the first block (`√d_model`
+    /// for Gemma, 1 otherwise).
+    pub embed_scale: f32,
+    /// Sliding-window layers, if any.
+    pub sliding: Option<SlidingWindow>,
 }
 
 impl Config {
     /// Read the hyper-parameters from GGUF metadata (`{arch}.*` keys).
     ///
-    /// Supported architectures: `llama` (adjacent-pair RoPE) and `qwen3`
-    /// (NeoX RoPE, q/k norms).
+    /// Supported architectures: `llama` (adjacent-pair RoPE), `qwen3`
+    /// (NeoX RoPE, q/k norms) and `gemma3` (NeoX RoPE, q/k norms, post
+    /// norms, tanh-GELU, `√d_model` embedding scale, sliding-window layers
+    /// with llama.cpp's defaults: every sixth layer global, local RoPE base
+    /// 10⁴, unless the file says otherwise).
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
         let arch = g.get_str("general.architecture")?;
         let rope_style = match arch {
             "llama" => RopeStyle::Adjacent,
-            "qwen3" => RopeStyle::Halves,
+            "qwen3" | "gemma3" => RopeStyle::Halves,
             other => return Err(ModelError(format!("unsupported architecture {other:?}"))),
         };
+        let gemma = arch == "gemma3";
         let key = |k: &str| format!("{arch}.{k}");
         let d_model = g.get_usize(&key("embedding_length"))?;
         let n_heads = g.get_usize(&key("attention.head_count"))?;
@@ -142,6 +199,22 @@ impl Config {
             rope_style,
             rms_eps: g.get_f64(&key("attention.layer_norm_rms_epsilon"))? as f32,
             ctx_len: g.get_usize(&key("context_length")).unwrap_or(0),
+            activation: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
+            embed_scale: if gemma { (d_model as f32).sqrt() } else { 1.0 },
+            sliding: match g.get_usize(&key("attention.sliding_window")) {
+                Ok(window) if gemma => Some(SlidingWindow {
+                    window,
+                    period: g
+                        .get_usize(&key("attention.sliding_window_pattern"))
+                        .unwrap_or(6),
+                    rope_base: g.get_f64(&key("rope.freq_base_swa")).unwrap_or(10_000.0),
+                }),
+                _ => None,
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -158,7 +231,13 @@ impl Config {
             && self.rope_dim <= self.head_dim
             && self.rope_dim.is_multiple_of(2)
             && self.ffn_dim > 0
-            && self.vocab_size > 0;
+            && self.vocab_size > 0
+            && self.embed_scale.is_finite()
+            && self.rope_base.is_finite()
+            && self.rope_base > 1.0
+            && self.sliding.is_none_or(|s| {
+                s.window > 0 && s.period > 0 && s.rope_base.is_finite() && s.rope_base > 1.0
+            });
         if ok {
             Ok(())
         } else {
@@ -174,6 +253,22 @@ impl Config {
     /// Width of one token's key (or value) vector (`n_kv_heads * head_dim`).
     pub fn kv_width(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// The attention window of layer `l`: `Some(w)` for a local
+    /// (sliding-window) layer, `None` for full causal attention.
+    pub fn layer_window(&self, l: usize) -> Option<usize> {
+        self.sliding
+            .filter(|s| l % s.period != s.period - 1)
+            .map(|s| s.window)
+    }
+
+    /// The RoPE frequency base of layer `l`.
+    pub fn layer_rope_base(&self, l: usize) -> f64 {
+        match self.sliding {
+            Some(s) if self.layer_window(l).is_some() => s.rope_base,
+            _ => self.rope_base,
+        }
     }
 }
 
@@ -194,6 +289,9 @@ pub struct LayerWeights {
     pub q_norm: Option<Vec<f32>>,
     /// Optional per-head key RMSNorm weight `[head_dim]`.
     pub k_norm: Option<Vec<f32>>,
+    /// Optional RMSNorm of the attention output before the residual add
+    /// `[d_model]` (Gemma).
+    pub post_attn_norm: Option<Vec<f32>>,
     /// Pre-MLP RMSNorm weight `[d_model]`.
     pub ffn_norm: Vec<f32>,
     /// Gate projection `[ffn_dim, d_model]`.
@@ -202,6 +300,9 @@ pub struct LayerWeights {
     pub w_up: Array2<f32>,
     /// Down projection `[d_model, ffn_dim]`.
     pub w_down: Array2<f32>,
+    /// Optional RMSNorm of the MLP output before the residual add
+    /// `[d_model]` (Gemma).
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
 /// Where in a layer a key quantize-dequantize round trip is applied.
@@ -283,6 +384,9 @@ pub struct Hooks<'a> {
 /// `n_kv_heads*head_dim` (K, V) or `n_q_heads*head_dim` (Q, output) floats,
 /// heads contiguous inside a row. Query head `h` attends with key/value head
 /// `h / (n_q_heads / n_kv_heads)`. The softmax scale is `1/sqrt(head_dim)`.
+///
+/// `window = Some(w)` (a sliding-window layer) limits every query to the
+/// last `w` positions up to its own, its own included.
 pub trait KvStore {
     /// Append a block of `n` tokens for one layer: `k`, `v` are `[n, n_kv*head_dim]`.
     fn extend(&mut self, layer: usize, k: &[f32], v: &[f32]) -> std::result::Result<(), String>;
@@ -293,6 +397,7 @@ pub trait KvStore {
         layer: usize,
         q: &[f32],
         n_q_heads: usize,
+        window: Option<usize>,
         out: &mut [f32],
     ) -> std::result::Result<(), String>;
     /// Attention of one new position over everything stored (decode):
@@ -302,6 +407,7 @@ pub trait KvStore {
         layer: usize,
         q: &[f32],
         n_q_heads: usize,
+        window: Option<usize>,
         out: &mut [f32],
     ) -> std::result::Result<(), String>;
     /// Forget everything stored, for all layers.
@@ -374,6 +480,7 @@ impl KvStore for DenseStore {
         layer: usize,
         q: &[f32],
         n_q_heads: usize,
+        window: Option<usize>,
         out: &mut [f32],
     ) -> std::result::Result<(), String> {
         let (k, v) = self
@@ -381,7 +488,13 @@ impl KvStore for DenseStore {
             .get(layer)
             .zip(self.v.get(layer))
             .ok_or_else(|| format!("layer {layer} out of range"))?;
-        dense_attention(k, v, self.n_kv_heads, self.head_dim, q, n_q_heads, out)
+        let kv = DenseKv {
+            k,
+            v,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+        };
+        dense_attention(kv, q, n_q_heads, window, out)
     }
 
     fn attend(
@@ -389,6 +502,7 @@ impl KvStore for DenseStore {
         layer: usize,
         q: &[f32],
         n_q_heads: usize,
+        window: Option<usize>,
         out: &mut [f32],
     ) -> std::result::Result<(), String> {
         if q.len() != n_q_heads * self.head_dim {
@@ -397,7 +511,7 @@ impl KvStore for DenseStore {
                 q.len()
             ));
         }
-        self.attend_causal(layer, q, n_q_heads, out)
+        self.attend_causal(layer, q, n_q_heads, window, out)
     }
 
     fn reset(&mut self) {
@@ -406,17 +520,39 @@ impl KvStore for DenseStore {
     }
 }
 
-/// Exact causal softmax attention of the last `n` rows of `k`/`v` (the
-/// queries' own positions) in `f32`.
+/// Full-precision keys and values of one layer, `[t, n_kv_heads*head_dim]`
+/// each.
+#[derive(Debug, Clone, Copy)]
+pub struct DenseKv<'a> {
+    /// Keys.
+    pub k: &'a [f32],
+    /// Values.
+    pub v: &'a [f32],
+    /// Key/value heads per row.
+    pub n_kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+}
+
+/// Exact causal softmax attention of the last `n` rows of `kv` (the
+/// queries' own positions) in `f32`; with `window = Some(w)` each query
+/// sees only the last `w` positions up to its own.
 pub fn dense_attention(
-    k: &[f32],
-    v: &[f32],
-    n_kv_heads: usize,
-    head_dim: usize,
+    kv: DenseKv<'_>,
     q: &[f32],
     n_q_heads: usize,
+    window: Option<usize>,
     out: &mut [f32],
 ) -> std::result::Result<(), String> {
+    let DenseKv {
+        k,
+        v,
+        n_kv_heads,
+        head_dim,
+    } = kv;
+    if window == Some(0) {
+        return Err("attention: a window of 0 positions".into());
+    }
     let kv_row = n_kv_heads * head_dim;
     let q_row = n_q_heads * head_dim;
     if n_kv_heads == 0 || !n_q_heads.is_multiple_of(n_kv_heads) {
@@ -456,8 +592,10 @@ pub fn dense_attention(
         );
         for (i, mut row) in scores.axis_iter_mut(Axis(0)).enumerate() {
             let visible = t - n + i + 1;
+            let first = window.map_or(0, |w| visible.saturating_sub(w));
             let row = row.as_slice_mut().expect("contiguous scores");
-            softmax_in_place(&mut row[..visible]);
+            softmax_in_place(&mut row[first..visible]);
+            row[..first].fill(0.0);
             row[visible..].fill(0.0);
         }
         ndarray::linalg::general_mat_mul(
@@ -573,8 +711,8 @@ pub struct Model {
     pub out_norm: Vec<f32>,
     /// Untied output head `[vocab, d_model]`; `None` means tied to `tok_embd`.
     pub output: Option<Array2<f32>>,
-    /// Inverse RoPE frequencies, `rope_dim/2` of them.
-    inv_freq: Vec<f64>,
+    /// Inverse RoPE frequencies of each layer, `rope_dim/2` of them.
+    inv_freq: Vec<Vec<f64>>,
 }
 
 fn matrix(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<Array2<f32>> {
@@ -627,10 +765,12 @@ impl Model {
                 wo: matrix(g, &p("attn_output"), d, cfg.q_width())?,
                 q_norm: optional_vector(g, &p("attn_q_norm"), hd)?,
                 k_norm: optional_vector(g, &p("attn_k_norm"), hd)?,
+                post_attn_norm: optional_vector(g, &p("post_attention_norm"), d)?,
                 ffn_norm: vector(g, &p("ffn_norm"), d)?,
                 w_gate: matrix(g, &p("ffn_gate"), cfg.ffn_dim, d)?,
                 w_up: matrix(g, &p("ffn_up"), cfg.ffn_dim, d)?,
                 w_down: matrix(g, &p("ffn_down"), d, cfg.ffn_dim)?,
+                post_ffn_norm: optional_vector(g, &p("post_ffw_norm"), d)?,
             });
         }
         let out_norm = vector(g, "output_norm.weight", d)?;
@@ -646,8 +786,13 @@ impl Model {
         out_norm: Vec<f32>,
         output: Option<Array2<f32>>,
     ) -> Self {
-        let inv_freq = (0..cfg.rope_dim / 2)
-            .map(|i| cfg.rope_base.powf(-2.0 * i as f64 / cfg.rope_dim as f64))
+        let inv_freq = (0..cfg.n_layers)
+            .map(|l| {
+                let base = cfg.layer_rope_base(l);
+                (0..cfg.rope_dim / 2)
+                    .map(|i| base.powf(-2.0 * i as f64 / cfg.rope_dim as f64))
+                    .collect()
+            })
             .collect();
         Model {
             cfg,
@@ -662,6 +807,12 @@ impl Model {
     /// A model with deterministic pseudo-random weights (for tests).
     /// `qk_norm` adds per-head q/k RMSNorm weights.
     pub fn random(cfg: Config, seed: u64, qk_norm: bool) -> Self {
+        Self::random_with_norms(cfg, seed, qk_norm, false)
+    }
+
+    /// As [`Model::random`]; `post_norms` adds Gemma's post-attention and
+    /// post-MLP RMSNorm weights.
+    pub fn random_with_norms(cfg: Config, seed: u64, qk_norm: bool, post_norms: bool) -> Self {
         let mut rng = SplitMix64(seed);
         let mut mat = |rows: usize, cols: usize, scale: f32| {
             Array2::from_shape_fn((rows, cols), |_| rng.uniform() * scale)
@@ -688,6 +839,11 @@ impl Model {
             } else {
                 (None, None)
             };
+            let (post_attn_norm, post_ffn_norm) = if post_norms {
+                (Some(norm(&mut mat, d)), Some(norm(&mut mat, d)))
+            } else {
+                (None, None)
+            };
             layers.push(LayerWeights {
                 attn_norm,
                 wq,
@@ -696,25 +852,27 @@ impl Model {
                 wo,
                 q_norm,
                 k_norm,
+                post_attn_norm,
                 ffn_norm,
                 w_gate,
                 w_up,
                 w_down,
+                post_ffn_norm,
             });
         }
         let out_norm = vec![1.0; d];
         Self::from_parts(cfg, tok_embd, layers, out_norm, None)
     }
 
-    /// Apply RoPE in place to a `[n, n_heads_x*head_dim]` block whose rows
-    /// are `row` floats wide (first token at `pos0`).
-    pub fn apply_rope(&self, x: &mut [f32], row: usize, pos0: usize) {
+    /// Apply layer `layer`'s RoPE in place to a `[n, n_heads_x*head_dim]`
+    /// block whose rows are `row` floats wide (first token at `pos0`).
+    pub fn apply_rope(&self, x: &mut [f32], row: usize, pos0: usize, layer: usize) {
         let hd = self.cfg.head_dim;
         let half = self.cfg.rope_dim / 2;
         let mut cs = vec![(0.0f32, 0.0f32); half];
         for (t, tok) in x.chunks_exact_mut(row).enumerate() {
             let pos = (pos0 + t) as f64;
-            for (c, &f) in cs.iter_mut().zip(&self.inv_freq) {
+            for (c, &f) in cs.iter_mut().zip(&self.inv_freq[layer]) {
                 let (sin, cos) = (pos * f).sin_cos();
                 *c = (cos as f32, sin as f32);
             }
@@ -758,6 +916,9 @@ impl Model {
             }
             row.assign(&self.tok_embd.row(t));
         }
+        if cfg.embed_scale != 1.0 {
+            x *= cfg.embed_scale;
+        }
         let mut attn = vec![0.0f32; n * cfg.q_width()];
         for (l, w) in self.layers.iter().enumerate() {
             let mut h = x.clone();
@@ -792,8 +953,8 @@ impl Model {
             }
             round_trip_k(QuantPoint::AfterKNorm, ks)?;
             let k_pre_rope = hooks.observer.as_ref().map(|_| ks.to_vec());
-            self.apply_rope(qs, cfg.q_width(), pos0);
-            self.apply_rope(ks, cfg.kv_width(), pos0);
+            self.apply_rope(qs, cfg.q_width(), pos0, l);
+            self.apply_rope(ks, cfg.kv_width(), pos0, l);
             round_trip_k(QuantPoint::AfterRope, ks)?;
             if let Some(obs) = hooks.observer.as_mut() {
                 obs.layer(
@@ -808,13 +969,18 @@ impl Model {
                 );
             }
             store.extend(l, ks, vs)?;
+            let window = cfg.layer_window(l);
             if n == 1 {
-                store.attend(l, qs, cfg.n_heads, &mut attn)?;
+                store.attend(l, qs, cfg.n_heads, window, &mut attn)?;
             } else {
-                store.attend_causal(l, qs, cfg.n_heads, &mut attn)?;
+                store.attend_causal(l, qs, cfg.n_heads, window, &mut attn)?;
             }
             let attn_v = ArrayView2::from_shape((n, cfg.q_width()), &attn).expect("shape");
-            x += &linear(attn_v, &w.wo);
+            let mut o = linear(attn_v, &w.wo);
+            if let Some(pn) = &w.post_attn_norm {
+                rms_norm_chunks(o.as_slice_mut().expect("contiguous"), pn, cfg.rms_eps);
+            }
+            x += &o;
 
             let mut h = x.clone();
             rms_norm_chunks(
@@ -824,8 +990,13 @@ impl Model {
             );
             let mut gate = linear(h.view(), &w.w_gate);
             let up = linear(h.view(), &w.w_up);
-            gate.zip_mut_with(&up, |g, &u| *g = *g / (1.0 + (-*g).exp()) * u);
-            x += &linear(gate.view(), &w.w_down);
+            let act = cfg.activation;
+            gate.zip_mut_with(&up, |g, &u| *g = act.apply(*g) * u);
+            let mut f = linear(gate.view(), &w.w_down);
+            if let Some(pn) = &w.post_ffn_norm {
+                rms_norm_chunks(f.as_slice_mut().expect("contiguous"), pn, cfg.rms_eps);
+            }
+            x += &f;
         }
         rms_norm_chunks(
             x.as_slice_mut().expect("contiguous"),
