@@ -253,6 +253,7 @@ fn perplexity_paths_agree_and_windows_reset() {
             n_tokens: 64,
             window: 16,
             path,
+            bos: None,
         };
         perplexity(
             &m,
@@ -277,6 +278,7 @@ fn perplexity_paths_agree_and_windows_reset() {
         n_tokens: 64,
         window: 16,
         path: EvalPath::Prefill,
+        bos: None,
     };
     let r = perplexity(
         &m,
@@ -314,6 +316,7 @@ fn kl_against_a_reference_run() {
         n_tokens: 64,
         window: 16,
         path: EvalPath::Prefill,
+        bos: None,
     };
     let mut reference = Reference::default();
     let mut dense = DenseStore::for_config(&m.cfg);
@@ -342,7 +345,7 @@ fn kl_against_a_reference_run() {
     .unwrap();
     let kl = kl.unwrap();
     assert_eq!(again.all, base.all);
-    // (The reference's log-probabilities are kept as f32: a hair above 0.)
+    // (The reference's log-probabilities are rounded to f32: a hair above 0.)
     assert!(kl.mean < 1e-7 && kl.p99 < 1e-6, "{kl:?}");
     assert_eq!((kl.same_top1, kl.count), (1.0, 60));
     // A coarse cache diverges, more at the tail than on average; the
@@ -362,6 +365,7 @@ fn kl_against_a_reference_run() {
     assert!(q.mean > 1e-6 && q.p99 >= q.mean && q.count == 60, "{q:?}");
     let dec = PplOptions {
         path: EvalPath::Decode,
+        bos: None,
         ..opts.clone()
     };
     let (_, qd) = perplexity_kl(
@@ -390,6 +394,40 @@ fn kl_against_a_reference_run() {
         |_, _| {}
     )
     .is_err());
+}
+
+#[test]
+fn bos_replaces_the_first_token_of_every_window() {
+    let m = Model::random(tiny_config(RopeStyle::Adjacent), 23, true);
+    let toks = tokens(48, m.cfg.vocab_size, 6);
+    let run = |toks: &[u32], bos| {
+        let opts = PplOptions {
+            n_tokens: 48,
+            window: 16,
+            path: EvalPath::Prefill,
+            bos,
+        };
+        let mut store = DenseStore::for_config(&m.cfg);
+        perplexity(
+            &m,
+            toks,
+            &mut store,
+            &mut Hooks::default(),
+            &opts,
+            |_, _| {},
+        )
+        .unwrap()
+    };
+    let mut replaced = toks.clone();
+    for w in replaced.chunks_mut(16) {
+        w[0] = 5;
+    }
+    let (a, b) = (run(&toks, Some(5)), run(&replaced, None));
+    assert_eq!(a.all, b.all);
+    assert_eq!(a.token_nll, b.token_nll);
+    // The first token is context only: the window keeps its predictions.
+    assert_eq!(a.all.count, 3 * 15);
+    assert_ne!(a.all, run(&toks, None).all);
 }
 
 #[test]

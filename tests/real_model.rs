@@ -86,6 +86,7 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             n_tokens: 512,
             window: 512,
             path: EvalPath::Prefill,
+            bos: None,
         };
         let mut reference = Reference::default();
         let (r, _) = perplexity_kl(

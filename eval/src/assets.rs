@@ -4,6 +4,9 @@ use std::path::PathBuf;
 
 /// File name of the model.
 pub const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// File name of the second model, Gemma 3 270M (fetched only with
+/// `scripts/fetch-assets.sh --gemma`: it ships under the Gemma Terms of Use).
+pub const GEMMA: &str = "gemma-3-270m-q4_k_m.gguf";
 /// File name of the prose corpus.
 pub const AUSTEN: &str = "austen.txt";
 /// File name of the code corpus.
@@ -24,6 +27,15 @@ pub fn path(name: &str) -> PathBuf {
 /// Whether all three asset files exist.
 pub fn present() -> bool {
     [MODEL, AUSTEN, CODE].iter().all(|f| path(f).is_file())
+}
+
+/// Resolve a model name (`smollm2`, `gemma`) or a path to a file path.
+pub fn model(name: &std::path::Path) -> PathBuf {
+    match name.to_str() {
+        Some("smollm2" | "smollm") => path(MODEL),
+        Some("gemma" | "gemma3") => path(GEMMA),
+        _ => name.to_path_buf(),
+    }
 }
 
 /// Resolve a corpus name (`austen`, `code`) or a path to a file path.
@@ -52,6 +64,29 @@ pub fn ensure(fetch: bool) -> Result<(), String> {
         .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
     if !st.success() || !present() {
         return Err(format!("{} failed ({st})", script.display()));
+    }
+    Ok(())
+}
+
+/// [`ensure`], and for the Gemma model also `scripts/fetch-assets.sh
+/// --gemma` when `model` is the Gemma asset and missing.
+pub fn ensure_model(model: &std::path::Path, fetch: bool) -> Result<(), String> {
+    ensure(fetch)?;
+    if model.is_file() || model != path(GEMMA) {
+        return Ok(());
+    }
+    if !fetch {
+        return Err("Gemma 3 missing: run scripts/fetch-assets.sh --gemma".into());
+    }
+    eprintln!("Gemma 3 missing: running scripts/fetch-assets.sh --gemma");
+    let script = crate::repo_root().join("scripts/fetch-assets.sh");
+    let st = std::process::Command::new("bash")
+        .arg(&script)
+        .arg("--gemma")
+        .status()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    if !st.success() || !model.is_file() {
+        return Err(format!("{} --gemma failed ({st})", script.display()));
     }
     Ok(())
 }

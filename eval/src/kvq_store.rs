@@ -2,8 +2,30 @@
 //! [`kvq::KvCache`] exactly where an engine stores them (post-RoPE keys,
 //! `v_proj` values), and attention runs on the fused kernels.
 
-use crate::model::KvStore;
+use crate::model::{KvStore, RoundTrip};
 use kvq::{CacheConfig, Codec, KvCache, QuantScheme, Rotation};
+
+/// A codec's quantize-dequantize round trip, for [`crate::model::Hooks`]:
+/// quantizes keys at another point of the layer than the cache's.
+#[derive(Debug, Clone, Copy)]
+pub struct CodecRoundTrip(pub Codec);
+
+impl RoundTrip for CodecRoundTrip {
+    fn round_trip(
+        &self,
+        x: &mut [f32],
+        _n_tokens: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<(), String> {
+        let y = self
+            .0
+            .roundtrip(x, n_kv_heads, head_dim)
+            .map_err(|e| e.to_string())?;
+        x.copy_from_slice(&y);
+        Ok(())
+    }
+}
 
 /// Schemes and windows of a quantized cache (`None` keeps that tensor in
 /// full precision).

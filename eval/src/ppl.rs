@@ -2,8 +2,10 @@
 //!
 //! The first `n_tokens` tokens (default 8192) are cut into non-overlapping
 //! windows of `window` tokens (default 512). Each window starts from an empty
-//! cache (`KvStore::reset`), positions restart at 0 and no BOS token is
-//! added. The logits at position `i` predict token `i + 1`, so a window of
+//! cache (`KvStore::reset`) and positions restart at 0. For a model that
+//! expects a BOS token (Gemma; [`PplOptions::bos`]) the window's first token
+//! is replaced by BOS, as `llama-perplexity` does: the window keeps its
+//! length and the replaced token is never a target. SmolLM2 gets no BOS. The logits at position `i` predict token `i + 1`, so a window of
 //! `w` tokens yields `w - 1` predictions. Perplexity is `exp(mean NLL)` over
 //! the scored predictions.
 //!
@@ -62,6 +64,9 @@ pub struct PplOptions {
     pub window: usize,
     /// Prefill or token-by-token decode.
     pub path: EvalPath,
+    /// The BOS id that replaces each window's first token (`None`: the
+    /// window is the corpus's tokens unchanged).
+    pub bos: Option<u32>,
 }
 
 impl Default for PplOptions {
@@ -70,7 +75,22 @@ impl Default for PplOptions {
             n_tokens: 8192,
             window: 512,
             path: EvalPath::Prefill,
+            bos: None,
         }
+    }
+}
+
+/// A window as the model sees it: `window` with its first token replaced
+/// by `bos` when given ([`PplOptions::bos`]).
+pub fn with_bos(window: &[u32], bos: Option<u32>) -> std::borrow::Cow<'_, [u32]> {
+    match (bos, window.split_first()) {
+        (Some(b), Some((_, rest))) => {
+            let mut w = Vec::with_capacity(window.len());
+            w.push(b);
+            w.extend_from_slice(rest);
+            w.into()
+        }
+        _ => window.into(),
     }
 }
 
@@ -152,21 +172,26 @@ pub fn window_nll(
     path: EvalPath,
 ) -> Result<Vec<f64>> {
     let mut out = Vec::with_capacity(tokens.len().saturating_sub(1));
-    window_rows(model, tokens, store, hooks, path, &mut |i, row| {
+    window_rows(model, tokens, store, hooks, path, &mut |i, _, row| {
         out.push(nll(row, tokens[i + 1] as usize));
     })?;
     Ok(out)
 }
 
-/// Run one window from an empty store and hand every prediction's logits
-/// to `visit` (`visit(i, logits)` predicts token `i + 1`), in order.
+/// What [`window_rows`] calls with each prediction: its index, final hidden
+/// state and logits.
+pub type RowVisitor<'a> = dyn FnMut(usize, &[f32], &[f32]) + 'a;
+
+/// Run one window from an empty store and hand every prediction's final
+/// hidden state and logits to `visit` (`visit(i, hidden, logits)` predicts
+/// token `i + 1`), in order.
 pub fn window_rows(
     model: &Model,
     tokens: &[u32],
     store: &mut dyn KvStore,
     hooks: &mut Hooks<'_>,
     path: EvalPath,
-    visit: &mut dyn FnMut(usize, &[f32]),
+    visit: &mut RowVisitor<'_>,
 ) -> Result<()> {
     store.reset();
     let n = tokens.len();
@@ -178,9 +203,11 @@ pub fn window_rows(
             let block = 128;
             for b0 in (0..rows).step_by(block) {
                 let b1 = (b0 + block).min(rows);
-                let logits = model.logits(hidden.slice(ndarray::s![b0..b1, ..]));
-                for (i, row) in logits.outer_iter().enumerate() {
-                    visit(b0 + i, row.as_slice().expect("contiguous logits"));
+                let h = hidden.slice(ndarray::s![b0..b1, ..]);
+                let logits = model.logits(h);
+                for (i, (row, hrow)) in logits.outer_iter().zip(h.outer_iter()).enumerate() {
+                    let hrow = hrow.to_slice().expect("contiguous hidden rows");
+                    visit(b0 + i, hrow, row.as_slice().expect("contiguous logits"));
                 }
             }
         }
@@ -188,20 +215,23 @@ pub fn window_rows(
             for (i, &t) in tokens[..n - 1].iter().enumerate() {
                 let hidden = model.forward(&[t], i, store, hooks)?;
                 let logits = model.logits(hidden.view());
-                visit(i, logits.as_slice().expect("contiguous logits"));
+                let h = hidden.as_slice().expect("contiguous hidden state");
+                visit(i, h, logits.as_slice().expect("contiguous logits"));
             }
         }
     }
     Ok(())
 }
 
-/// The next-token distributions of a reference run, as log-probabilities
-/// (`f32`, `[predictions, vocab]`: 4 bytes per vocabulary entry and
-/// prediction, about 800 MB for 4096 tokens of a 49k vocabulary).
+/// The next-token distributions of a reference run, kept as the final
+/// hidden states (`d_model` floats per prediction: 20 MB for 8192 tokens of
+/// Gemma 3, whose 262k-entry distributions would take 8.6 GB as `f32`).
+/// Comparing recomputes the reference logits with the same model, a block
+/// of rows at a time, so they are exactly the recorded run's.
 #[derive(Debug, Clone, Default)]
 pub struct Reference {
-    vocab: usize,
-    logp: Vec<f32>,
+    width: usize,
+    hidden: Vec<f32>,
     top1: Vec<u32>,
 }
 
@@ -216,18 +246,73 @@ impl Reference {
         self.top1.is_empty()
     }
 
-    fn push(&mut self, logits: &[f32]) {
-        self.vocab = logits.len();
-        let lse = log_sum_exp(logits);
-        self.logp
-            .extend(logits.iter().map(|&v| (v as f64 - lse) as f32));
+    fn push(&mut self, hidden: &[f32], logits: &[f32]) {
+        self.width = hidden.len();
+        self.hidden.extend_from_slice(hidden);
         self.top1.push(argmax(logits));
+    }
+}
+
+/// Rows of reference log-probabilities, recomputed a block at a time.
+struct RefRows<'a> {
+    reference: &'a Reference,
+    model: &'a Model,
+    /// First prediction of the cached block.
+    first: usize,
+    /// Log-probabilities of the cached block, `[rows, vocab]`.
+    logp: Vec<f32>,
+    vocab: usize,
+}
+
+impl<'a> RefRows<'a> {
+    const BLOCK: usize = 128;
+
+    fn new(reference: &'a Reference, model: &'a Model) -> Self {
+        RefRows {
+            reference,
+            model,
+            first: 0,
+            logp: Vec::new(),
+            vocab: 0,
+        }
+    }
+
+    /// Log-probabilities of prediction `k`.
+    fn row(&mut self, k: usize) -> Result<&[f32]> {
+        let cached = self.logp.len() / self.vocab.max(1);
+        if self.logp.is_empty() || k < self.first || k >= self.first + cached {
+            let r = self.reference;
+            let end = (k + Self::BLOCK).min(r.len());
+            let h =
+                ArrayView2::from_shape((end - k, r.width), &r.hidden[k * r.width..end * r.width])
+                    .map_err(|e| ModelError(format!("reference hidden states: {e}")))?;
+            let logits = self.model.logits(h);
+            self.vocab = logits.ncols();
+            self.logp.clear();
+            for row in logits.outer_iter() {
+                let row = row.as_slice().expect("contiguous logits");
+                let lse = log_sum_exp(row);
+                self.logp
+                    .extend(row.iter().map(|&v| (v as f64 - lse) as f32));
+            }
+            self.first = k;
+        }
+        let i = k - self.first;
+        Ok(&self.logp[i * self.vocab..(i + 1) * self.vocab])
     }
 
     /// `KL(ref_k ‖ softmax(logits))` in nats, and whether the most likely
     /// token agrees, for prediction `k`.
-    fn compare(&self, k: usize, logits: &[f32]) -> (f64, bool) {
-        let lp = &self.logp[k * self.vocab..(k + 1) * self.vocab];
+    fn compare(&mut self, k: usize, logits: &[f32]) -> Result<(f64, bool)> {
+        let top1 = self.reference.top1[k];
+        let lp = self.row(k)?;
+        if lp.len() != logits.len() {
+            return Err(ModelError(format!(
+                "the reference's vocabulary has {} entries, this model's logits {}",
+                lp.len(),
+                logits.len()
+            )));
+        }
         let lse = log_sum_exp(logits);
         let kl: f64 = lp
             .iter()
@@ -240,7 +325,7 @@ impl Reference {
             })
             .sum();
         // Rounding can leave an identical distribution a hair below zero.
-        (kl.max(0.0), argmax(logits) == self.top1[k])
+        Ok((kl.max(0.0), argmax(logits) == top1))
     }
 }
 
@@ -311,7 +396,7 @@ pub fn perplexity_kl(
     store: &mut dyn KvStore,
     hooks: &mut Hooks<'_>,
     opts: &PplOptions,
-    mut kl: Kl<'_>,
+    kl: Kl<'_>,
     mut progress: impl FnMut(usize, &WindowResult),
 ) -> Result<(PplReport, Option<KlReport>)> {
     if opts.window < 2 {
@@ -338,7 +423,11 @@ pub fn perplexity_kl(
     // Recorded into a fresh reference, handed over only when the run
     // succeeds (a failed run leaves the caller's reference as it was).
     let mut recorded = Reference::default();
-    let mut vocab_mismatch = None;
+    let mut failed = None;
+    let mut rows = match &kl {
+        Kl::Compare(r) => Some(RefRows::new(r, model)),
+        _ => None,
+    };
     let (mut kls, mut same, mut kl2) = (Vec::new(), 0usize, (0.0f64, 0usize));
     let mut report = PplReport {
         all: NllSum::default(),
@@ -350,31 +439,37 @@ pub fn perplexity_kl(
         .chunks_exact(opts.window)
         .enumerate()
     {
+        let chunk = &*with_bos(chunk, opts.bos);
         let start = Instant::now();
         let mut nlls = Vec::with_capacity(opts.window - 1);
         let base = w * (opts.window - 1);
-        window_rows(model, chunk, store, hooks, opts.path, &mut |i, row| {
-            nlls.push(nll(row, chunk[i + 1] as usize));
-            match &mut kl {
-                Kl::Off => {}
-                Kl::Record(_) => recorded.push(row),
-                Kl::Compare(r) if r.vocab != row.len() => {
-                    vocab_mismatch = Some((r.vocab, row.len()));
+        window_rows(
+            model,
+            chunk,
+            store,
+            hooks,
+            opts.path,
+            &mut |i, hidden, row| {
+                nlls.push(nll(row, chunk[i + 1] as usize));
+                if let Kl::Record(_) = kl {
+                    recorded.push(hidden, row);
                 }
-                Kl::Compare(r) => {
-                    let (d, agree) = r.compare(base + i, row);
-                    kls.push(d);
-                    same += agree as usize;
-                    if i >= first_scored {
-                        kl2 = (kl2.0 + d, kl2.1 + 1);
+                if let (Some(rr), None) = (rows.as_mut(), &failed) {
+                    match rr.compare(base + i, row) {
+                        Ok((d, agree)) => {
+                            kls.push(d);
+                            same += agree as usize;
+                            if i >= first_scored {
+                                kl2 = (kl2.0 + d, kl2.1 + 1);
+                            }
+                        }
+                        Err(e) => failed = Some(e),
                     }
                 }
-            }
-        })?;
-        if let Some((want, got)) = vocab_mismatch {
-            return Err(ModelError(format!(
-                "the reference's vocabulary has {want} entries, this model's logits {got}"
-            )));
+            },
+        )?;
+        if let Some(e) = failed {
+            return Err(e);
         }
         let sum = |v: &[f64]| NllSum {
             nll: v.iter().sum(),

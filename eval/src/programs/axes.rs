@@ -51,7 +51,7 @@ pub struct Args {
 
 /// Run the program.
 pub fn run(args: Args) -> Result<(), BoxError> {
-    let (tok, model) = super::load(&crate::assets::path(crate::assets::MODEL))?;
+    let super::Loaded { tok, model, .. } = super::load(&crate::assets::path(crate::assets::MODEL))?;
     let c = model.cfg.clone();
     let (nq, nkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
     let shape = AttnShape::new(nq, nkv, hd)?;

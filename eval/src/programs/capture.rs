@@ -31,7 +31,7 @@ pub struct Args {
     /// Which window of `--tokens` tokens (0: the first).
     #[arg(long, value_name = "I", default_value_t = 0)]
     pub window_index: usize,
-    /// GGUF model (default: the fetched SmolLM2-135M in assets/).
+    /// GGUF model: smollm2 (the default), gemma (both fetched into assets/), or a path.
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// Output file (default: `<repo>/results/capture-<corpus>-w<index>.kvqcap`).
@@ -48,13 +48,16 @@ pub fn run(args: Args) -> Result<(), BoxError> {
             .map_or("corpus".into(), |s| s.to_string_lossy().into_owned());
         crate::repo_root().join(format!("results/capture-{stem}-w{index}.kvqcap"))
     });
-    let (tok, model) = super::load(&super::model_path(args.model))?;
+    let super::Loaded {
+        tok, model, bos, ..
+    } = super::load(&super::model_path(args.model))?;
     let ids = tok.encode(&std::fs::read_to_string(crate::assets::corpus(
         &args.corpus,
     ))?)?;
     let window = ids
         .get(index * n..(index + 1) * n)
         .ok_or_else(|| format!("corpus has no window {index} of {n} tokens"))?;
+    let window = &*crate::ppl::with_bos(window, bos);
     let c = &model.cfg;
     let mut rec = Recorder::new(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, window);
     let mut store = DenseStore::for_config(c);

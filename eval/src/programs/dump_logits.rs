@@ -34,7 +34,7 @@ pub struct Args {
     /// Tokens from the start of the corpus.
     #[arg(long, value_name = "N", default_value_t = 128)]
     pub tokens: usize,
-    /// GGUF model (default: the fetched SmolLM2-135M in assets/).
+    /// GGUF model: smollm2 (the default), gemma (both fetched into assets/), or a path.
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// Output file (default: `<repo>/results/logits.bin`).
@@ -48,7 +48,9 @@ pub fn run(args: Args) -> Result<(), BoxError> {
     let out_path = args
         .out
         .unwrap_or_else(|| crate::repo_root().join("results/logits.bin"));
-    let (tok, model) = super::load(&super::model_path(args.model))?;
+    let super::Loaded {
+        tok, model, bos, ..
+    } = super::load(&super::model_path(args.model))?;
     let text = std::fs::read_to_string(crate::assets::corpus(&args.corpus))?;
     // A generous prefix is plenty for `n` tokens (>= 1 byte per token).
     let mut cut = (n * 16).min(text.len());
@@ -61,6 +63,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
     }
     // Drop the last few, which may depend on where the prefix was cut.
     tokens.truncate(n);
+    let tokens = crate::ppl::with_bos(&tokens, bos).into_owned();
     let mut store = DenseStore::for_config(&model.cfg);
     let logits = window_logits(&model, &tokens, &mut store, &mut Hooks::default())?;
     if let Some(dir) = out_path.parent() {

@@ -25,17 +25,61 @@ use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 use crate::BoxError;
 
-/// `--model PATH` when given, else the fetched model in the assets directory.
+/// `--model smollm2|gemma|PATH` when given, else the fetched SmolLM2 in
+/// the assets directory.
 pub(crate) fn model_path(model: Option<PathBuf>) -> PathBuf {
-    model.unwrap_or_else(|| crate::assets::path(crate::assets::MODEL))
+    model.map_or_else(
+        || crate::assets::path(crate::assets::MODEL),
+        |m| crate::assets::model(&m),
+    )
+}
+
+/// A GGUF file's tokenizer and model.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The tokenizer.
+    pub tok: Tokenizer,
+    /// The model.
+    pub model: Model,
+    /// The BOS id when the file asks for one (`tokenizer.ggml.add_bos_token`):
+    /// each perplexity window then starts with it ([`crate::ppl::PplOptions::bos`]).
+    pub bos: Option<u32>,
+    /// `general.name`, else the file name.
+    pub name: String,
 }
 
 /// The tokenizer and the model of a GGUF file.
-pub fn load(path: &std::path::Path) -> Result<(Tokenizer, Model), BoxError> {
+pub fn load(path: &std::path::Path) -> Result<Loaded, BoxError> {
     let gguf = Gguf::open(path)?;
     let tok = Tokenizer::from_gguf(&gguf)?;
     let model = Model::from_gguf(&gguf)?;
-    Ok((tok, model))
+    let add_bos = gguf
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false);
+    let bos = match add_bos {
+        true => Some(u32::try_from(
+            gguf.get_usize("tokenizer.ggml.bos_token_id")?,
+        )?),
+        false => None,
+    };
+    if let Some(b) = bos {
+        if b as usize >= model.cfg.vocab_size {
+            return Err(format!("BOS id {b} outside the vocabulary").into());
+        }
+    }
+    let name = match gguf.get_str("general.name") {
+        Ok(n) => n.to_owned(),
+        Err(_) => path
+            .file_name()
+            .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+    };
+    Ok(Loaded {
+        tok,
+        model,
+        bos,
+        name,
+    })
 }
 
 /// The first `n` tokens (or more) of a text, tokenizing only a prefix: the

@@ -40,7 +40,7 @@ pub struct Args {
     /// Feed each window as one block (prefill) or token by token (decode).
     #[arg(long, value_name = "prefill|decode", default_value = "prefill")]
     pub path: EvalPath,
-    /// GGUF model (default: the fetched SmolLM2-135M in assets/).
+    /// GGUF model: smollm2 (the default), gemma (both fetched into assets/), or a path.
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// No per-window lines on stderr.
@@ -50,14 +50,17 @@ pub struct Args {
 
 /// Run the program.
 pub fn run(args: Args) -> Result<(), BoxError> {
+    let model_path = super::model_path(args.model);
+    let t0 = Instant::now();
+    let super::Loaded {
+        tok, model, bos, ..
+    } = super::load(&model_path)?;
     let opts = crate::ppl::PplOptions {
         n_tokens: args.tokens,
         window: args.window,
         path: args.path,
+        bos,
     };
-    let model_path = super::model_path(args.model);
-    let t0 = Instant::now();
-    let (tok, model) = super::load(&model_path)?;
     let load_s = t0.elapsed().as_secs_f64();
 
     let corpus_path = crate::assets::corpus(&args.corpus);

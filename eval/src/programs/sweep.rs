@@ -1,11 +1,19 @@
-//! The sweep: perplexity of SmolLM2-135M with kvq caches of many K/V schemes,
-//! on prose (Jane Austen) and code (the Python standard library).
+//! The sweep: perplexity of SmolLM2-135M (or Gemma 3 270M, `--model gemma`)
+//! with kvq caches of many K/V schemes, on prose (Jane Austen) and code (the
+//! Python standard library).
 //!
 //! ```text
-//! cargo run --release --example sweep -- [--full] [--tokens N] [--window 512]
+//! cargo run --release --example sweep -- [--model smollm2|gemma|PATH]
+//!     [--grid default|full|split|ladder|trap] [--full] [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
 //!     [--out results] [--no-fetch] [--only SUBSTR,SUBSTR]
 //! ```
+//!
+//! Grids ([`GridKind`]): `default` (17 caches), `full` (bits 2–8 × axis ×
+//! group), `split` (the K/V bit split at equal budgets, 3–8 effective
+//! bits), `ladder` (granularity at 4 bits), `trap` (keys alone quantized
+//! after `k_proj`, after `k_norm` and in the cache, after RoPE: the
+//! measurement-point trap of a model with `k_norm`).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
 //! (pip + apt, checked by sha256). For every domain and configuration it
@@ -32,9 +40,11 @@ use kvq::{Axis, Codec, Group, QuantScheme, Rotation};
 use serde::Serialize;
 
 use crate::capture::Capture;
-use crate::kvq_store::{CacheSpec, KvqStore};
-use crate::model::Hooks;
-use crate::ppl::{capture_window, perplexity_kl, EvalPath, Kl, KlReport, PplOptions, Reference};
+use crate::kvq_store::{CacheSpec, CodecRoundTrip, KvqStore};
+use crate::model::{Hooks, QuantPoint};
+use crate::ppl::{
+    capture_window, perplexity_kl, with_bos, EvalPath, Kl, KlReport, PplOptions, Reference,
+};
 use crate::report::{self, Align, PlotPoint, Table};
 use crate::BoxError;
 
@@ -51,7 +61,18 @@ use crate::BoxError;
 #[derive(Debug, Clone, Parser)]
 #[command(name = "sweep")]
 pub struct Args {
-    /// Sweep bits 2–8 for keys and values × axis × group (8192 tokens unless --tokens).
+    /// GGUF model: smollm2, gemma (fetched with scripts/fetch-assets.sh --gemma), or a path.
+    #[arg(long, value_name = "smollm2|gemma|PATH", default_value = "smollm2")]
+    pub model: PathBuf,
+    /// The grid of caches (see the module docs).
+    #[arg(
+        long,
+        value_name = "default|full|split|ladder|trap",
+        default_value = "default"
+    )]
+    pub grid: GridKind,
+    /// Shorthand for --grid full: bits 2–8 for keys and values × axis × group
+    /// (8192 tokens unless --tokens).
     #[arg(long)]
     pub full: bool,
     /// Tokens per domain (default: 4096; 8192 with --full).
@@ -89,12 +110,58 @@ pub struct Args {
 }
 
 impl Args {
-    /// The perplexity settings these arguments ask for.
-    pub fn ppl_options(&self) -> PplOptions {
+    /// The grid asked for (`--full` wins over `--grid`).
+    pub fn grid_kind(&self) -> GridKind {
+        if self.full {
+            GridKind::Full
+        } else {
+            self.grid
+        }
+    }
+
+    /// The perplexity settings these arguments ask for (`bos` from the model).
+    pub fn ppl_options(&self, bos: Option<u32>) -> PplOptions {
+        let long = !matches!(self.grid_kind(), GridKind::Default);
         PplOptions {
-            n_tokens: self.tokens.unwrap_or(if self.full { 8192 } else { 4096 }),
+            n_tokens: self.tokens.unwrap_or(if long { 8192 } else { 4096 }),
             window: self.window,
             path: self.path,
+            bos,
+        }
+    }
+}
+
+/// Which grid of caches the sweep runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GridKind {
+    /// 17 caches: the main schemes, presets and rotations.
+    Default,
+    /// Bits {2,3,4,6,8}² × {per-token 32, per-token head, KIVI}, and
+    /// per-token vector groups at 2–4 bits.
+    Full,
+    /// The K/V bit split at equal budgets: per-token groups of 32, average
+    /// bits 2–7 split as (b−1, b+1), (b, b), (b+1, b−1).
+    Split,
+    /// Granularity at 4 bits: whole vector, head, 64, 32 per token, and
+    /// per-channel keys.
+    Ladder,
+    /// Keys alone at 2–8 bits (per-token head and 32 groups), quantized
+    /// after `k_proj`, after `k_norm` and after RoPE.
+    Trap,
+}
+
+impl std::str::FromStr for GridKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "default" => Ok(GridKind::Default),
+            "full" => Ok(GridKind::Full),
+            "split" => Ok(GridKind::Split),
+            "ladder" => Ok(GridKind::Ladder),
+            "trap" => Ok(GridKind::Trap),
+            _ => Err(format!(
+                "unknown grid {s:?} (default, full, split, ladder, trap)"
+            )),
         }
     }
 }
@@ -106,6 +173,11 @@ pub struct Config {
     pub name: String,
     /// The cache.
     pub spec: CacheSpec,
+    /// Where the keys are quantized: [`QuantPoint::AfterRope`] is the
+    /// cache itself; at the other points the model round-trips its keys
+    /// through the key codec there (every token, so no residual or sinks
+    /// for keys) and the cache keeps them exact.
+    pub key_point: QuantPoint,
 }
 
 impl Config {
@@ -113,18 +185,31 @@ impl Config {
     pub fn is_baseline(&self) -> bool {
         self.spec.keys.is_none() && self.spec.values.is_none()
     }
+
+    /// The cache the store holds and the key round trip the model applies.
+    pub fn store_and_hook(&self) -> (CacheSpec, Option<(QuantPoint, CodecRoundTrip)>) {
+        match (self.key_point, self.spec.key_codec()) {
+            (QuantPoint::AfterRope, _) | (_, None) => (self.spec, None),
+            (point, Some(codec)) => (
+                CacheSpec {
+                    keys: None,
+                    ..self.spec
+                },
+                Some((point, CodecRoundTrip(codec))),
+            ),
+        }
+    }
 }
 
 fn s(bits: u8, axis: Axis, group: Group) -> QuantScheme {
     QuantScheme::new(bits, axis, group).expect("grid schemes are valid")
 }
 
-/// The grid: the full-precision baseline first, then the default selection
-/// or (`full`) bits {2,3,4,6,8}² × {per-token 32, per-token head, KIVI} and
-/// per-token vector groups at 2–4 bits; every cache with `residual` and
-/// `sinks`.
-pub fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
+/// The grid: the full-precision baseline first, then the caches of `kind`
+/// ([`GridKind`]); every cache with `residual` and `sinks`.
+pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
     let mk = |name: String, k: Option<QuantScheme>, v: Option<QuantScheme>| Config {
+        key_point: QuantPoint::AfterRope,
         name,
         spec: CacheSpec {
             keys: k,
@@ -151,7 +236,60 @@ pub fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
     let pt = |b, g| s(b, Axis::PerToken, g);
     let pc = |b, g| s(b, Axis::PerChannel, g);
     let mut g = vec![mk("fp32 (baseline)".into(), None, None)];
-    if !full {
+    match kind {
+        GridKind::Default => {}
+        GridKind::Full => return full_grid(g, mk),
+        GridKind::Split => {
+            for b in 2u8..=7 {
+                for (kb, vb) in [(b - 1, b + 1), (b, b), (b + 1, b - 1)] {
+                    let g32 = Group::Size(32);
+                    g.push(mk(
+                        format!("K{kb}/V{vb} pt32"),
+                        Some(pt(kb, g32)),
+                        Some(pt(vb, g32)),
+                    ));
+                }
+            }
+            return g;
+        }
+        GridKind::Ladder => {
+            for (gname, grp) in [
+                ("vector", Group::Vector),
+                ("head", Group::Head),
+                ("64", Group::Size(64)),
+                ("32", Group::Size(32)),
+            ] {
+                g.push(mk(
+                    format!("K4/V4 pt{gname}"),
+                    Some(pt(4, grp)),
+                    Some(pt(4, grp)),
+                ));
+            }
+            g.push(mk(
+                "K4/V4 KIVI pc32/pt32".into(),
+                Some(pc(4, Group::Size(32))),
+                Some(pt(4, Group::Size(32))),
+            ));
+            return g;
+        }
+        GridKind::Trap => {
+            for b in [2u8, 3, 4, 6, 8] {
+                for (gname, grp) in [("head", Group::Head), ("32", Group::Size(32))] {
+                    for (pname, point) in [
+                        ("k_proj", QuantPoint::AfterKProj),
+                        ("k_norm", QuantPoint::AfterKNorm),
+                        ("rope", QuantPoint::AfterRope),
+                    ] {
+                        let mut c = mk(format!("K{b} pt{gname} @{pname}"), Some(pt(b, grp)), None);
+                        c.key_point = point;
+                        g.push(c);
+                    }
+                }
+            }
+            return g;
+        }
+    }
+    {
         let g32 = Group::Size(32);
         let g64 = Group::Size(64);
         g.push(mk("K8/V8 pt32".into(), Some(pt(8, g32)), Some(pt(8, g32))));
@@ -206,8 +344,17 @@ pub fn grid(full: bool, residual: usize, sinks: usize) -> Vec<Config> {
                 Some(pt(b, g32)),
             )));
         }
-        return g;
     }
+    g
+}
+
+/// [`GridKind::Full`] after the baseline `g`.
+fn full_grid(
+    mut g: Vec<Config>,
+    mk: impl Fn(String, Option<QuantScheme>, Option<QuantScheme>) -> Config,
+) -> Vec<Config> {
+    let pt = |b, g| s(b, Axis::PerToken, g);
+    let pc = |b, g| s(b, Axis::PerChannel, g);
     for kb in [2u8, 3, 4, 6, 8] {
         for vb in [2u8, 3, 4, 6, 8] {
             for (gname, grp) in [("32", Group::Size(32)), ("head", Group::Head)] {
@@ -303,6 +450,8 @@ pub const CSV_COLUMNS: [&str; 14] = [
 pub struct Report {
     /// Model file name.
     pub model: String,
+    /// The grid (`default`, `full`, `split`, `ladder`, `trap`).
+    pub grid: String,
     /// Tokens per domain.
     pub tokens: usize,
     /// Tokens per window.
@@ -319,19 +468,26 @@ pub struct Report {
 
 /// Run the sweep: print the table and write `sweep.{csv,json,svg}`.
 pub fn run(args: Args) -> Result<(), BoxError> {
-    crate::assets::ensure(!args.no_fetch)?;
-    let opts = args.ppl_options();
+    let model_path = crate::assets::model(&args.model);
+    crate::assets::ensure_model(&model_path, !args.no_fetch)?;
     let t0 = Instant::now();
-    let (tok, model) = super::load(&crate::assets::path(crate::assets::MODEL))?;
+    let super::Loaded {
+        tok,
+        model,
+        bos,
+        name: model_name,
+    } = super::load(&model_path)?;
+    let opts = args.ppl_options(bos);
     let cfg = model.cfg.clone();
     let (n_layers, n_kv, hd, n_q) = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.n_heads);
-    let mut configs = grid(args.full, args.residual, args.sinks);
+    let kind = args.grid_kind();
+    let mut configs = grid(kind, args.residual, args.sinks);
     if let Some(only) = &args.only {
         // Keep the baseline: Δppl needs it.
         configs.retain(|c| c.is_baseline() || only.split(',').any(|o| c.name.contains(o)));
     }
     eprintln!(
-        "SmolLM2-135M: {n_layers} layers, {n_q}/{n_kv} heads, head_dim {hd}; loaded in {:.1}s; \
+        "{model_name}: {n_layers} layers, {n_q}/{n_kv} heads, head_dim {hd}; loaded in {:.1}s; \
          {} configs x {} domains x {} tokens ({:?} path, residual {}, sinks {})",
         t0.elapsed().as_secs_f64(),
         configs.len(),
@@ -354,12 +510,19 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         let first = tokens
             .get(..opts.window)
             .ok_or_else(|| format!("{domain}: fewer than {} tokens", opts.window))?;
-        let cap = capture_window(&model, first)?;
+        let cap = capture_window(&model, &with_bos(first, bos))?;
         let mut base: Option<(f64, f64)> = None;
         // The baseline's next-token distributions (it runs first).
         let mut reference = Reference::default();
         for c in &configs {
-            let mut store = KvqStore::new(n_layers, n_kv, hd, c.spec)?;
+            let (store_spec, hook) = c.store_and_hook();
+            let mut store = KvqStore::new(n_layers, n_kv, hd, store_spec)?;
+            let mut hooks = Hooks {
+                k: hook
+                    .as_ref()
+                    .map(|(p, rt)| (*p, rt as &dyn crate::model::RoundTrip)),
+                ..Hooks::default()
+            };
             let t = Instant::now();
             progress.set_message(format!("{domain}: {}", c.name));
             let kl = if c.is_baseline() {
@@ -371,7 +534,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
                 &model,
                 &tokens,
                 &mut store,
-                &mut Hooks::default(),
+                &mut hooks,
                 &opts,
                 kl,
                 |_, _| progress.inc(1),
@@ -392,7 +555,12 @@ pub fn run(args: Args) -> Result<(), BoxError> {
                 delta_ppl: ppl - b,
                 ppl_second_half: ppl2,
                 delta_ppl_second_half: ppl2 - b2,
-                attention_kl: attention_kl(&cap, &c.spec, n_q, n_kv, hd)?,
+                // The capture holds post-RoPE keys: the attention KL of
+                // keys quantized elsewhere is not defined on it.
+                attention_kl: match hook {
+                    None => attention_kl(&cap, &c.spec, n_q, n_kv, hd)?,
+                    Some(_) => f64::NAN,
+                },
                 kl_mean: klr.mean,
                 kl_mean_second_half: klr.mean_second_half,
                 kl_p99: klr.p99,
@@ -403,8 +571,13 @@ pub fn run(args: Args) -> Result<(), BoxError> {
     }
     progress.finish();
     println!(
-        "\nSmolLM2-135M-Instruct, {} tokens per domain in windows of {} ({:?}), residual {}, sinks {}",
-        opts.n_tokens, opts.window, opts.path, args.residual, args.sinks
+        "\n{model_name}, {} tokens per domain in windows of {} ({:?}{}), residual {}, sinks {}",
+        opts.n_tokens,
+        opts.window,
+        opts.path,
+        if bos.is_some() { ", BOS first" } else { "" },
+        args.residual,
+        args.sinks
     );
     print!("{}", table(&rows));
     let out = args
@@ -412,8 +585,27 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         .clone()
         .unwrap_or_else(|| crate::repo_root().join("results"));
     std::fs::create_dir_all(&out)?;
+    let file = model_path
+        .file_name()
+        .map_or_else(String::new, |f| f.to_string_lossy().into_owned());
+    // The default run writes sweep.*; other models and grids get their own names.
+    let stem = match (file == crate::assets::MODEL, kind) {
+        (true, GridKind::Default) => "sweep".to_owned(),
+        _ => format!(
+            "sweep-{}-{}",
+            if file == crate::assets::MODEL {
+                "smollm2"
+            } else if file == crate::assets::GEMMA {
+                "gemma"
+            } else {
+                file.trim_end_matches(".gguf")
+            },
+            format!("{kind:?}").to_lowercase()
+        ),
+    };
     let report = Report {
-        model: crate::assets::MODEL.into(),
+        grid: format!("{kind:?}").to_lowercase(),
+        model: file,
         tokens: opts.n_tokens,
         window: opts.window,
         path: format!("{:?}", opts.path),
@@ -422,13 +614,16 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         rows,
     };
     std::fs::write(
-        out.join("sweep.csv"),
+        out.join(format!("{stem}.csv")),
         report::csv(&CSV_COLUMNS, &report.rows)?,
     )?;
-    std::fs::write(out.join("sweep.json"), report::json(&report)?)?;
-    std::fs::write(out.join("sweep.svg"), svg(&report.rows)?)?;
+    std::fs::write(out.join(format!("{stem}.json")), report::json(&report)?)?;
+    std::fs::write(
+        out.join(format!("{stem}.svg")),
+        svg(&model_name, &report.rows)?,
+    )?;
     println!(
-        "\nwrote {}/sweep.{{csv,json,svg}} in {:.0}s",
+        "\nwrote {}/{stem}.{{csv,json,svg}} in {:.0}s",
         out.display(),
         t0.elapsed().as_secs_f64()
     );
@@ -462,7 +657,10 @@ pub fn table(rows: &[Row]) -> Table {
             format!("{:+.4}", r.delta_ppl),
             format!("{:.4}", r.ppl_second_half),
             format!("{:+.4}", r.delta_ppl_second_half),
-            format!("{:.2e}", r.attention_kl),
+            match r.attention_kl.is_nan() {
+                true => "—".into(),
+                false => format!("{:.2e}", r.attention_kl),
+            },
             format!("{:.5}", r.kl_mean),
             format!("{:.4}", r.kl_p99),
             format!("{:.2}%", 100.0 * r.same_top1),
@@ -473,7 +671,7 @@ pub fn table(rows: &[Row]) -> Table {
 
 /// `sweep.svg`: Δppl against effective bits of the quantized rows (the
 /// baseline's 16 bits left out), one colour per domain.
-pub fn svg(rows: &[Row]) -> Result<String, String> {
+pub fn svg(model: &str, rows: &[Row]) -> Result<String, String> {
     let points: Vec<PlotPoint> = rows
         .iter()
         .filter(|r| r.effective_bits < 15.0)
@@ -484,7 +682,10 @@ pub fn svg(rows: &[Row]) -> Result<String, String> {
             delta: r.delta_ppl,
         })
         .collect();
-    report::sweep_svg("SmolLM2-135M: Δppl vs effective bits (kvq cache)", &points)
+    report::sweep_svg(
+        &format!("{model}: Δppl vs effective bits (kvq cache)"),
+        &points,
+    )
 }
 
 /// Mean attention KL (nats per query position and head, over all layers)
