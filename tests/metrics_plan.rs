@@ -593,6 +593,68 @@ fn memory_model_counts_partial_per_channel_blocks() {
         .is_err());
 }
 
+/// Gemma 3 270M: 18 layers, one KV head of 256, layers 5, 11 and 17 global,
+/// the other 15 with a 512-token window. Figures worked out by hand:
+/// bytes per token and layer (K + V) times 3·t + 15·min(t, 512) tokens.
+#[test]
+fn memory_model_of_gemma3_270m() {
+    let local: Vec<usize> = (0..18).filter(|l| l % 6 != 5).collect();
+    assert_eq!(local.len(), 15);
+    let bf16 = MemoryModel::transformer(18, 1, 256)
+        .unwrap()
+        .with_sliding_window(&local, 512)
+        .unwrap();
+    assert_eq!(bf16.sliding_window_layers(), &local[..]);
+    assert_eq!(bf16.sliding_window(), 512);
+    let pt = |b, g| QuantScheme::new(b, Axis::PerToken, g).unwrap();
+    let pc = |b, g| QuantScheme::new(b, Axis::PerChannel, g).unwrap();
+    let q = |k, v| {
+        bf16.clone()
+            .with_format(CacheFormat::Quantized { keys: k, values: v })
+            .unwrap()
+    };
+    let g32 = Group::Size(32);
+    // (model, bytes per token and layer): bf16 2·256·2; 4-bit groups of 32
+    // with an f16 scale and zero 2·(128 + 8·4); K8/V8 per head 2·(256 + 4);
+    // q4_0 2·8·18.
+    let cases = [
+        ("bf16", bf16.clone(), 1024u64),
+        ("K4/V4 pt32", q(pt(4, g32), pt(4, g32)), 320),
+        ("KIVI-4", q(pc(4, g32), pt(4, g32)), 320),
+        (
+            "K8/V8 pthead",
+            q(pt(8, Group::Head), pt(8, Group::Head)),
+            520,
+        ),
+        ("q4_0", q(kvq::presets::q4_0(), kvq::presets::q4_0()), 288),
+    ];
+    for (name, m, per) in cases {
+        for t in [8192u64, 32768] {
+            let want = (3 * t + 15 * 512) * per;
+            assert_eq!(m.cache_bytes(t as usize), want, "{name} at {t}");
+        }
+        // Below the window every layer holds every token.
+        assert_eq!(m.cache_bytes(256), 18 * 256 * per, "{name}");
+        assert_eq!(m.cache_bytes_per_token(), (3 * per) as f64, "{name}");
+    }
+    // bf16 at 32k: 106 MB, of which the 15 local layers hold 7.9 MB.
+    assert_eq!(bf16.cache_bytes(32768), 108_527_616);
+    // Only sliding layers: the cache stops growing and never meets a large state.
+    let all_local = MemoryModel::new(6, &[0, 1, 2, 3], 1, 64)
+        .unwrap()
+        .with_sliding_window(&[0, 1, 2, 3], 16)
+        .unwrap()
+        .with_linear_state(1 << 30);
+    assert_eq!(all_local.cache_bytes(1 << 20), all_local.cache_bytes(16));
+    assert_eq!(all_local.crossing_tokens(), None);
+    // Bad sliding-window settings.
+    let t = MemoryModel::new(4, &[0, 2], 1, 64).unwrap();
+    assert!(t.clone().with_sliding_window(&[1], 16).is_err());
+    assert!(t.clone().with_sliding_window(&[0, 0], 16).is_err());
+    assert!(t.clone().with_sliding_window(&[0], 0).is_err());
+    assert!(t.with_sliding_window(&[9], 16).is_err());
+}
+
 // ---------------------------------------------------------------------------
 // Planner
 

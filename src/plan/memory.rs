@@ -46,10 +46,13 @@ impl CacheFormat {
 
 /// The memory of a model's cache, exactly, at any context length.
 ///
-/// A model has `layers` layers; those listed as full attention keep a KV
-/// cache of `n_kv_heads × head_dim` keys and values per token, which grows
-/// with the context; the others are linear-attention layers (Gated DeltaNet,
-/// Mamba…) with a fixed-size state. Quantized caches are counted with
+/// A model has `layers` layers of three kinds. Attention layers (listed in
+/// [`new`](Self::new)) keep a KV cache of `n_kv_heads × head_dim` keys and
+/// values per token; a full-attention layer's grows with the context, a
+/// sliding-window layer's ([`with_sliding_window`](Self::with_sliding_window):
+/// Gemma 3's local layers, Mistral) holds only the newest `window` tokens.
+/// The remaining layers are linear attention (Gated DeltaNet, Mamba…) with
+/// a fixed-size state. Quantized caches are counted with
 /// [`Layout::bytes`], i.e. exactly what kvq allocates: codes, scales and
 /// zeros, a partial per-channel block counted as a whole block.
 ///
@@ -79,10 +82,27 @@ impl CacheFormat {
 /// assert!((bf16.cache_bytes(full_ctx) as f64 / k4v8.cache_bytes(full_ctx) as f64 - 2.61).abs() < 0.01);
 /// # Ok::<(), kvq::Error>(())
 /// ```
+///
+/// # Example: Gemma 3 270M
+/// 18 layers of one KV head of 256 channels; five of every six see only
+/// the last 512 tokens:
+/// ```
+/// use kvq::plan::MemoryModel;
+/// let local: Vec<usize> = (0..18).filter(|l| l % 6 != 5).collect();
+/// let m = MemoryModel::transformer(18, 1, 256)?.with_sliding_window(&local, 512)?;
+/// // bf16: 1 KiB per token and layer; 3 global layers grow, 15 stop at 512.
+/// assert_eq!(m.cache_bytes(8192), (3 * 8192 + 15 * 512) * 1024);
+/// assert_eq!(m.cache_bytes_per_token(), 3.0 * 1024.0);
+/// # Ok::<(), kvq::Error>(())
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct MemoryModel {
     layers: usize,
+    /// Every attention layer (full and sliding), ascending.
     full_attention: Vec<usize>,
+    /// The sliding-window subset of `full_attention`, ascending.
+    sliding: Vec<usize>,
+    window: usize,
     n_kv_heads: usize,
     head_dim: usize,
     state_per_linear_layer: u64,
@@ -133,10 +153,43 @@ impl MemoryModel {
             full_attention: full,
             n_kv_heads,
             head_dim,
+            sliding: Vec::new(),
+            window: 0,
             state_per_linear_layer: 0,
             format: CacheFormat::Bf16,
             layouts: None,
         })
+    }
+
+    /// The attention layers at `indices` are sliding-window layers: their
+    /// cache holds the newest `window` tokens at most (an engine evicts the
+    /// older ones; one that evicts whole per-channel blocks holds up to a
+    /// block more, which this count leaves out). Replaces any earlier
+    /// sliding-window setting.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when `window` is 0, or an index is not one of
+    /// the attention layers given to [`new`](Self::new) or is repeated.
+    pub fn with_sliding_window(mut self, indices: &[usize], window: usize) -> Result<Self> {
+        let op = "MemoryModel::with_sliding_window";
+        let bad = |what: String| Err(Error::InvalidShape { op, what });
+        if window == 0 {
+            return bad("a sliding window of 0 tokens".into());
+        }
+        let mut sliding = indices.to_vec();
+        sliding.sort_unstable();
+        if let Some(w) = sliding.windows(2).find(|w| w[0] == w[1]) {
+            return bad(format!("sliding-window layer {} is listed twice", w[0]));
+        }
+        if let Some(l) = sliding
+            .iter()
+            .find(|l| self.full_attention.binary_search(l).is_err())
+        {
+            return bad(format!("layer {l} is not an attention layer"));
+        }
+        self.sliding = sliding;
+        self.window = window;
+        Ok(self)
     }
 
     /// A plain transformer: every layer is full attention.
@@ -175,9 +228,17 @@ impl MemoryModel {
     pub fn layers(&self) -> usize {
         self.layers
     }
-    /// Indices of the full-attention layers, ascending.
+    /// Indices of the attention layers (full and sliding-window), ascending.
     pub fn full_attention_layers(&self) -> &[usize] {
         &self.full_attention
+    }
+    /// Indices of the sliding-window layers, ascending.
+    pub fn sliding_window_layers(&self) -> &[usize] {
+        &self.sliding
+    }
+    /// Tokens a sliding-window layer keeps (0 without such layers).
+    pub fn sliding_window(&self) -> usize {
+        self.window
     }
     /// Number of linear-attention layers.
     pub fn linear_layers(&self) -> usize {
@@ -210,9 +271,13 @@ impl MemoryModel {
         }
     }
 
-    /// Bytes of the whole KV cache (all full-attention layers) at `tokens`.
+    /// Bytes of the whole KV cache (all attention layers, the
+    /// sliding-window ones at `min(tokens, window)`) at `tokens`.
     pub fn cache_bytes(&self, tokens: usize) -> u64 {
-        sat(self.layer_bytes_u128(tokens) * self.full_attention.len() as u128)
+        let global = (self.full_attention.len() - self.sliding.len()) as u128;
+        let local = self.sliding.len() as u128;
+        sat(self.layer_bytes_u128(tokens) * global
+            + self.layer_bytes_u128(tokens.min(self.window)) * local)
     }
 
     /// Bytes of the fixed-size state of all linear-attention layers.
@@ -237,14 +302,15 @@ impl MemoryModel {
     }
 
     /// Cache bytes per token, all layers, in the long-context limit (a
-    /// per-channel block's scales spread over its tokens).
+    /// per-channel block's scales spread over its tokens; sliding-window
+    /// layers, bounded, add nothing).
     pub fn cache_bytes_per_token(&self) -> f64 {
         let per_layer = match (self.format.dense_bytes(), &self.layouts) {
             (Some(b), _) => (2 * self.n_kv_heads * self.head_dim * b) as f64,
             (None, Some((k, v))) => k.bytes_per_token() + v.bytes_per_token(),
             (None, None) => unreachable!("a quantized format always has layouts"),
         };
-        per_layer * self.full_attention.len() as f64
+        per_layer * (self.full_attention.len() - self.sliding.len()) as f64
     }
 
     /// Bits per cached element, the mean of keys and values (scale and zero
@@ -258,8 +324,9 @@ impl MemoryModel {
     }
 
     /// The shortest context at which the cache is at least as large as the
-    /// state: `Some(0)` without state, `None` when the cache never grows (no
-    /// full-attention layer) or never gets there.
+    /// state: `Some(0)` without state, `None` when the cache never gets
+    /// there (no attention layer, or only sliding-window layers that stop
+    /// short of it).
     pub fn crossing_tokens(&self) -> Option<usize> {
         let state = self.state_bytes();
         if state == 0 {
@@ -270,6 +337,9 @@ impl MemoryModel {
         }
         let mut hi = 1usize;
         while self.cache_bytes(hi) < state {
+            if self.full_attention.len() == self.sliding.len() && hi > self.window {
+                return None;
+            }
             hi = hi.checked_mul(2)?;
         }
         let mut lo = hi / 2; // cache(lo) < state, or lo = 0
