@@ -1,7 +1,8 @@
 //! Tests of the evaluation harness (`kvq-eval`, in `eval/`) that need no assets:
 //! the reference transformer (prefill vs decode, quant points, q/k norm),
 //! the GGUF reader (round trip of a file written here, truncation and
-//! corruption), the tokenizer (tiny vocabulary) and the capture format.
+//! corruption), the tokenizers (tiny vocabularies, and Gemma 3's when its
+//! opt-in file is present) and the capture format.
 
 use kvq_eval::capture::{Capture, Recorder};
 use kvq_eval::gguf::{GgmlType, Gguf, Value};
@@ -12,7 +13,8 @@ use kvq_eval::model::{
 use kvq_eval::ppl::{
     perplexity, perplexity_kl, window_logits, EvalPath, Kl, PplOptions, Reference,
 };
-use kvq_eval::tokenizer::Tokenizer;
+use kvq_eval::tokenizer::{PieceType, SpmOptions, Tokenizer};
+use proptest::prelude::*;
 
 // ---------------------------------------------------------------- model ----
 
@@ -1053,6 +1055,326 @@ fn tokenizer_rejects_bytes_missing_from_vocab() {
     let t = Tokenizer::new(vocab, Vec::<String>::new()).unwrap();
     assert!(t.encode("a\u{4}b").is_err());
     assert_eq!(t.decode(&t.encode("ab").unwrap()).unwrap(), "ab");
+}
+
+/// A tiny SentencePiece BPE vocabulary: control pieces 0-2, `<unk>` 3, the
+/// 256 byte pieces, then normal, user-defined and unused pieces. The
+/// user-defined ones are written with spaces, as GGUF files store them.
+/// Every expectation below on it was also what the `sentencepiece` package
+/// gives for the same pieces (built as scripts/check_tokenizer.py builds
+/// Gemma's model).
+fn tiny_spm(add_space_prefix: bool) -> Tokenizer {
+    use PieceType::*;
+    let mut v: Vec<(String, f32, PieceType)> = vec![
+        ("<pad>".into(), 0.0, Control),
+        ("<eos>".into(), 0.0, Control),
+        ("<bos>".into(), 0.0, Control),
+        ("<unk>".into(), 0.0, Unknown),
+    ];
+    v.extend((0..=255u8).map(|b| (format!("<0x{b:02X}>"), 0.0, Byte)));
+    let normal = [
+        ("▁", -1.0),
+        ("a", -2.0),
+        ("b", -3.0),
+        ("c", -4.0),
+        ("h", -5.0),
+        ("e", -6.0),
+        ("l", -7.0),
+        ("o", -8.0),
+        ("bc", -10.0),
+        ("ab", -11.0),
+        ("aa", -12.0),
+        ("▁b", -13.0),
+        ("he", -14.0),
+        ("ll", -15.0),
+        ("hell", -16.0),
+        ("ello", -17.0),
+        ("a\n", -18.0),
+        ("lo", -19.0),
+        ("cc", -12.0),
+        ("hello", -30.0),
+        ("x", -40.0),
+        ("y", -40.0),
+        ("z", -40.0),
+        ("xy", -40.0),
+        ("yz", -40.0),
+    ];
+    v.extend(normal.iter().map(|&(p, s)| (p.to_string(), s, Normal)));
+    v.extend(["\n", "\n\n", "  ", "<hr>"].map(|p| (p.to_string(), 0.0, UserDefined)));
+    v.extend([("ca", -9.0), ("cab", -25.0)].map(|(p, s)| (p.to_string(), s, Unused)));
+    let pieces: Vec<&str> = v.iter().map(|p| p.0.as_str()).collect();
+    let scores: Vec<f32> = v.iter().map(|p| p.1).collect();
+    let types: Vec<PieceType> = v.iter().map(|p| p.2).collect();
+    let options = SpmOptions {
+        bos: Some(2),
+        add_space_prefix,
+    };
+    Tokenizer::spm(&pieces, &scores, &types, options).unwrap()
+}
+
+/// The pieces `text` encodes to.
+fn spm_pieces(t: &Tokenizer, text: &str) -> Vec<String> {
+    let ids = t.encode(text).unwrap();
+    ids.iter()
+        .map(|&id| t.token(id).unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn tokenizer_spm_merges_by_score_ties_to_the_leftmost() {
+    let t = tiny_spm(false);
+    // "bc" (-10) outranks "ab" (-11).
+    assert_eq!(spm_pieces(&t, "abc"), ["a", "bc"]);
+    assert_eq!(spm_pieces(&t, "abcc"), ["a", "bc", "c"]);
+    // he, ll, hell, hello in score order; "ello" is a piece but no merge
+    // path reaches it ("el" and "llo" are not pieces).
+    assert_eq!(spm_pieces(&t, "hello"), ["hello"]);
+    assert_eq!(spm_pieces(&t, "ello"), ["e", "ll", "o"]);
+    // The same pair at several places: leftmost first.
+    assert_eq!(spm_pieces(&t, "aaa"), ["aa", "a"]);
+    assert_eq!(spm_pieces(&t, "aaaa"), ["aa", "aa"]);
+    // Different pieces of equal score that overlap: leftmost first.
+    assert_eq!(spm_pieces(&t, "xyz"), ["xy", "z"]);
+    assert_eq!(spm_pieces(&t, "yzxyz"), ["yz", "xy", "z"]);
+    // Unused pieces are merged through, then split back: "ca" (-9) forms
+    // before "ab" (-11) could, so "cab" comes out as c, a, b.
+    assert_eq!(spm_pieces(&t, "cab"), ["c", "a", "b"]);
+    assert_eq!(spm_pieces(&t, "cabc"), ["c", "a", "bc"]);
+}
+
+#[test]
+fn tokenizer_spm_user_defined_pieces_spaces_and_byte_fallback() {
+    let t = tiny_spm(false);
+    // User-defined pieces: longest match from the left, and no merge crosses
+    // one ("a\n" is a normal piece but "\n" is matched first).
+    assert_eq!(spm_pieces(&t, "a\n\n\nb"), ["a", "\n\n", "\n", "b"]);
+    assert_eq!(spm_pieces(&t, "a\nb"), ["a", "\n", "b"]);
+    assert_eq!(spm_pieces(&t, "<hr><hr"), ["<hr>", "<0x3C>", "h", "<0x72>"]);
+    // Spaces are '▁', and the user-defined "  " (stored with spaces) is
+    // matched in the escaped text.
+    assert_eq!(spm_pieces(&t, "a b"), ["a", "▁b"]);
+    assert_eq!(spm_pieces(&t, "a  b"), ["a", "  ", "b"]);
+    assert_eq!(spm_pieces(&t, "a   b"), ["a", "  ", "▁b"]);
+    assert_eq!(spm_pieces(&t, "   "), ["  ", "▁"]);
+    // A literal '▁' is the escaped space (SentencePiece does the same).
+    assert_eq!(t.encode("a▁b").unwrap(), t.encode("a b").unwrap());
+    assert_eq!(t.decode(&t.encode("a▁b").unwrap()).unwrap(), "a b");
+    // Characters without a piece: their UTF-8 bytes.
+    assert_eq!(spm_pieces(&t, "é"), ["<0xC3>", "<0xA9>"]);
+    assert!(t.encode("").unwrap().is_empty());
+    assert_eq!(t.pre_tokenize("a b\nc").unwrap(), ["a b\nc"]);
+    // Control pieces decode to nothing; encode never adds the BOS.
+    assert_eq!(t.bos(), Some(2));
+    let a = t.token_id("a").unwrap();
+    assert_eq!(t.decode(&[2, a, 1]).unwrap(), "a");
+    assert!(t.decode(&[100_000]).is_err());
+    assert_eq!(tiny_tokenizer().bos(), None);
+
+    // add_space_prefix: a '▁' before non-empty text, dropped on decoding.
+    let p = tiny_spm(true);
+    assert_eq!(spm_pieces(&p, "ab"), ["▁", "ab"]);
+    assert_eq!(spm_pieces(&p, " b"), ["  ", "b"]);
+    assert!(p.encode("").unwrap().is_empty());
+    for text in ["ab", " b", "  x", "", "\n"] {
+        assert_eq!(p.decode(&p.encode(text).unwrap()).unwrap(), text);
+    }
+}
+
+#[test]
+fn tokenizer_spm_rejects_malformed_vocabularies() {
+    use PieceType::*;
+    let ok = |pieces: &[&str], scores: &[f32], types: &[PieceType], bos| {
+        let options = SpmOptions {
+            bos,
+            add_space_prefix: false,
+        };
+        Tokenizer::spm(pieces, scores, types, options).is_ok()
+    };
+    assert!(ok(&["a", "<0x41>"], &[0.0, 0.0], &[Normal, Byte], Some(1)));
+    assert!(!ok(&["a", "<0x41>"], &[0.0], &[Normal, Byte], None));
+    assert!(!ok(
+        &["a", "<0x41>"],
+        &[f32::NAN, 0.0],
+        &[Normal, Byte],
+        None
+    ));
+    assert!(!ok(&["a", "<0x4G>"], &[0.0, 0.0], &[Normal, Byte], None));
+    assert!(!ok(&["a", ""], &[0.0, 0.0], &[Normal, UserDefined], None));
+    assert!(!ok(&["a", "<0x41>"], &[0.0, 0.0], &[Normal, Byte], Some(2)));
+    // A byte without a piece cannot be encoded (decoding must stay exact).
+    let options = SpmOptions::default();
+    let t = Tokenizer::spm(&["a", "<0x41>"], &[0.0, 0.0], &[Normal, Byte], options).unwrap();
+    assert_eq!(t.encode("aA").unwrap(), [0, 1]);
+    assert!(t.encode("ab").is_err());
+}
+
+#[test]
+fn tokenizer_spm_round_trips_exactly() {
+    let t = tiny_spm(false);
+    for text in [
+        "",
+        " ",
+        "     ",
+        "\n\n\n",
+        "\t\t \t",
+        "hello the world",
+        "  leading and trailing  \n\n\t",
+        "unicode: héllo wörld — ☃ 日本語 🎉 👩‍👩‍👧",
+        "\u{0}\u{1}\u{7f}\u{10FFFF}\u{FFFD}",
+        "<hr><bos></hr>",
+    ] {
+        let ids = t.encode(text).unwrap();
+        assert_eq!(t.decode(&ids).unwrap(), text);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Any text without a literal '▁' comes back exactly.
+    #[test]
+    fn tokenizer_spm_round_trips_any_text(
+        text in prop_oneof![any::<String>(), "[abcehlo xyz\n\t<hr>é日🎉]{0,40}"],
+    ) {
+        prop_assume!(!text.contains('▁'));
+        let t = tiny_spm(false);
+        prop_assert_eq!(t.decode(&t.encode(&text).unwrap()).unwrap(), text);
+    }
+}
+
+/// A GGUF metadata array of 4-byte elements of type `elem`.
+fn array4(elem: u32, items: &[[u8; 4]]) -> Vec<u8> {
+    let mut p = elem.to_le_bytes().to_vec();
+    p.extend_from_slice(&(items.len() as u64).to_le_bytes());
+    p.extend(items.iter().flatten());
+    p
+}
+
+#[test]
+fn tokenizer_spm_from_gguf_keys() {
+    let mut pieces: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>"]
+        .map(String::from)
+        .to_vec();
+    pieces.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+    pieces.extend(["▁", "a", "b", "ab", "  "].map(String::from));
+    let n = pieces.len();
+    let mut types = vec![3i32, 3, 3, 3];
+    types.extend([6; 256]);
+    types.extend([1, 1, 1, 1, 4]);
+    let scores: Vec<[u8; 4]> = (0..n).map(|i| (-(i as f32)).to_le_bytes()).collect();
+    let file = |model: &str, types: &[i32], scores_ty: u32, add_bos: bool| {
+        let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+        let types: Vec<[u8; 4]> = types.iter().map(|t| t.to_le_bytes()).collect();
+        let mut b = GgufBuilder::new(32);
+        b.kv_str("tokenizer.ggml.model", model)
+            .kv_str("tokenizer.ggml.pre", "default")
+            .kv_str_array("tokenizer.ggml.tokens", &refs)
+            .kv_raw("tokenizer.ggml.scores", 9, &array4(scores_ty, &scores))
+            .kv_raw("tokenizer.ggml.token_type", 9, &array4(5, &types))
+            .kv_u32("tokenizer.ggml.bos_token_id", 2)
+            .kv_raw("tokenizer.ggml.add_bos_token", 7, &[add_bos as u8])
+            .kv_raw("tokenizer.ggml.add_space_prefix", 7, &[0]);
+        Tokenizer::from_gguf(&Gguf::parse(b.build()).unwrap())
+    };
+    let t = file("llama", &types, 6, true).unwrap();
+    assert_eq!(t.bos(), Some(2));
+    assert_eq!(t.vocab_size(), n);
+    let id = |s: &str| t.token_id(s).unwrap();
+    assert_eq!(
+        t.encode("ab a  b").unwrap(),
+        [id("ab"), id("▁"), id("a"), id("  "), id("b")]
+    );
+    assert_eq!(file("llama", &types, 6, false).unwrap().bos(), None);
+    // Wrong types and unknown values are errors, not panics.
+    assert!(file("llama", &types, 5, true).is_err(), "scores as i32");
+    let mut bad = types.clone();
+    bad[261] = 9;
+    assert!(file("llama", &bad, 6, true).is_err(), "token type 9");
+    assert!(
+        file("llama", &types[1..], 6, true).is_err(),
+        "one type short"
+    );
+    assert!(file("bert", &types, 6, true).is_err());
+}
+
+/// The real Gemma 3 270M vocabulary (the opt-in asset), against ids from
+/// scripts/check_tokenizer.py's sentencepiece model (sentencepiece 0.2.3).
+#[test]
+fn tokenizer_gemma_matches_sentencepiece() {
+    const GEMMA: &str = "gemma-3-270m-q4_k_m.gguf";
+    let path = kvq_eval::assets::path(GEMMA);
+    if !path.exists() {
+        eprintln!("SKIPPED: {GEMMA} is absent (scripts/fetch-assets.sh --gemma fetches it)");
+        return;
+    }
+    let t = Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap();
+    assert_eq!(t.vocab_size(), 262_144);
+    assert_eq!(t.bos(), Some(2));
+    let pinned: [(&str, &[u32]); 10] = [
+        ("Hello world", &[9259, 1902]),
+        (
+            "It is a truth universally acknowledged",
+            &[1509, 563, 496, 9043, 69127, 30285],
+        ),
+        ("  two", &[138, 13498]),
+        ("a\n\n\nb", &[236746, 109, 236763]),
+        ("\t\tx", &[255969, 236781]),
+        (
+            "def f(x):\n    return x**2  # comment\n",
+            &[
+                2063, 517, 236769, 236781, 1473, 107, 140, 2060, 1123, 1018, 236778, 138, 236865,
+                5739, 107,
+            ],
+        ),
+        ("日本語 🎉", &[94951, 204906]),
+        // User-defined pieces are matched, control pieces are plain text.
+        ("<start_of_image><bos>", &[255999, 236820, 46757, 236813]),
+        ("\u{10FFFF}\u{0}", &[482, 381, 429, 429, 238]),
+        // 60 spaces: the longest user-defined run (31), then 29.
+        (&format!("{}end", " ".repeat(60)), &[167, 165, 643]),
+    ];
+    for (text, ids) in pinned {
+        assert_eq!(t.encode(text).unwrap(), ids, "{text:?}");
+        assert_eq!(t.decode(ids).unwrap(), text);
+    }
+    // The first 20000 characters of each corpus (scripts/check_tokenizer.py
+    // --model gemma compares every id, here and on the whole files).
+    let corpora: [(&str, usize, [u32; 6], [u32; 6]); 2] = [
+        (
+            "austen",
+            4785,
+            [236773, 28230, 4715, 69210, 117816, 108],
+            [573, 496, 1651, 236793, 573, 515],
+        ),
+        (
+            "code",
+            5629,
+            [76499, 578, 6288, 108, 1999, 5803],
+            [584, 538, 8721, 236787, 107, 140],
+        ),
+    ];
+    for (name, n, head, tail) in corpora {
+        let Ok(text) = std::fs::read_to_string(kvq_eval::assets::corpus(name)) else {
+            eprintln!("SKIPPED: corpus {name} is absent (scripts/fetch-assets.sh fetches it)");
+            continue;
+        };
+        let text: String = text.chars().take(20_000).collect();
+        let ids = t.encode(&text).unwrap();
+        assert_eq!(ids.len(), n, "{name}");
+        assert_eq!(ids[..6], head, "{name}");
+        assert_eq!(ids[n - 6..], tail, "{name}");
+        assert_eq!(t.decode(&ids).unwrap(), text);
+    }
+    // Exact round trips of arbitrary text without a literal '▁'.
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(64));
+    runner
+        .run(&any::<String>(), |text| {
+            if !text.contains('▁') {
+                prop_assert_eq!(t.decode(&t.encode(&text).unwrap()).unwrap(), text);
+            }
+            Ok(())
+        })
+        .unwrap();
 }
 
 /// The K-quant and 5-bit dequantizers against blocks built here from

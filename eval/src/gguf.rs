@@ -732,6 +732,50 @@ impl Gguf {
             .collect()
     }
 
+    /// A required boolean metadata value.
+    pub fn get_bool(&self, key: &str) -> Result<bool> {
+        self.require(key)?
+            .as_bool()
+            .ok_or_else(|| GgufError::WrongType {
+                key: key.into(),
+                expected: "a bool",
+            })
+    }
+
+    /// A required array-of-`f32` metadata value.
+    pub fn get_f32_array(&self, key: &str) -> Result<Vec<f32>> {
+        self.typed_array(key, "an array of f32", |v| match *v {
+            Value::F32(x) => Some(x),
+            _ => None,
+        })
+    }
+
+    /// A required array-of-`i32` metadata value.
+    pub fn get_i32_array(&self, key: &str) -> Result<Vec<i32>> {
+        self.typed_array(key, "an array of i32", |v| match *v {
+            Value::I32(x) => Some(x),
+            _ => None,
+        })
+    }
+
+    fn typed_array<T>(
+        &self,
+        key: &str,
+        expected: &'static str,
+        elem: impl Fn(&Value) -> Option<T>,
+    ) -> Result<Vec<T>> {
+        let wrong = || GgufError::WrongType {
+            key: key.into(),
+            expected,
+        };
+        self.require(key)?
+            .as_array()
+            .ok_or_else(wrong)?
+            .iter()
+            .map(|v| elem(v).ok_or_else(wrong))
+            .collect()
+    }
+
     /// A tensor description by name.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])

@@ -4,7 +4,7 @@
 //! `tests/eval_model.rs` and `tests/real_model.rs`.
 //!
 //! * [`gguf`]: GGUF reader and dequantization.
-//! * [`tokenizer`]: byte-level BPE (SmolLM2 / GPT-2 style).
+//! * [`tokenizer`]: byte-level BPE (SmolLM2) and SentencePiece BPE (Gemma 3).
 //! * [`model`]: reference Llama-style transformer with a pluggable KV store.
 //! * [`kvq_store`]: the model's KV store backed by `kvq::KvCache`.
 //! * [`ppl`]: perplexity protocol (512-token windows from an empty cache).

@@ -1,29 +1,26 @@
-//! Byte-level BPE tokenizer (GPT-2 style), built from a GGUF vocabulary.
+//! The tokenizers of the evaluated models, built from a GGUF vocabulary.
 //!
-//! This reproduces the tokenizer of SmolLM2 (`tokenizer.ggml.model = "gpt2"`,
-//! `tokenizer.ggml.pre = "smollm"`), i.e. the Hugging Face pipeline
-//! `Digits(individual_digits) -> ByteLevel(add_prefix_space = false) -> BPE`:
+//! [`Tokenizer::from_gguf`] picks the algorithm from `tokenizer.ggml.model`:
 //!
-//! 1. every numeric character (`\p{N}`) becomes its own pre-token;
-//! 2. the remaining runs are split with the GPT-2 regex
-//!    `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`;
-//! 3. each pre-token's UTF-8 bytes are mapped to the printable "byte-level"
-//!    alphabet (`Ġ` for space, ...) and merged with the ranked BPE merges.
+//! * `"gpt2"`: byte-level BPE (GPT-2 style) with SmolLM2's pre-tokenizer
+//!   (`tokenizer.ggml.pre = "smollm"`), see [`bpe`];
+//! * `"llama"`: SentencePiece BPE with byte fallback (Gemma 3), see [`spm`].
 //!
-//! Special tokens in the input text are *not* recognised: text is always
-//! treated as plain text. [`Tokenizer::decode`] inverts [`Tokenizer::encode`]
-//! exactly for any input.
+//! Either way special tokens in the input text are *not* recognised (text
+//! is always plain text), `encode` adds no BOS/EOS ([`Tokenizer::bos`] says
+//! which BOS the model expects), and [`Tokenizer::decode`] inverts
+//! [`Tokenizer::encode`] exactly, except that SentencePiece decodes a literal
+//! `'▁'` (U+2581) in the input as a space, as the `sentencepiece` package does.
 
-use std::collections::HashMap;
 use std::fmt;
 
-use fancy_regex::Regex;
+use crate::gguf::{Gguf, GgufError};
 
-use crate::gguf::Gguf;
+pub mod bpe;
+pub mod spm;
 
-/// The GPT-2 pre-tokenizer pattern.
-pub const GPT2_PATTERN: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+pub use bpe::GPT2_PATTERN;
+pub use spm::{PieceType, SpmOptions};
 
 /// Tokenizer construction, encoding or decoding failure.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,229 +34,218 @@ impl fmt::Display for TokenizerError {
 
 impl std::error::Error for TokenizerError {}
 
+impl From<GgufError> for TokenizerError {
+    fn from(e: GgufError) -> Self {
+        TokenizerError(e.to_string())
+    }
+}
+
 fn err<T>(msg: impl Into<String>) -> Result<T, TokenizerError> {
     Err(TokenizerError(msg.into()))
 }
 
-/// GPT-2's reversible map from bytes to printable characters.
-fn byte_to_char_table() -> [char; 256] {
-    let mut table = ['\0'; 256];
-    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
-    let mut next = 256u32;
-    for b in 0..256u32 {
-        let cp = if printable(b) {
-            b
-        } else {
-            next += 1;
-            next - 1
-        };
-        table[b as usize] = char::from_u32(cp).expect("valid code point");
-    }
-    table
+/// Boxed: each model holds kilobytes of inline tables.
+#[derive(Debug, Clone)]
+enum Model {
+    Bpe(Box<bpe::Bpe>),
+    Spm(Box<spm::Spm>),
 }
 
-/// A byte-level BPE tokenizer.
+/// A byte-level BPE or SentencePiece tokenizer.
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
-    /// Token strings in byte-level alphabet, indexed by id.
-    tokens: Vec<String>,
-    /// Decoded bytes of each token.
-    token_bytes: Vec<Vec<u8>>,
-    /// Byte-level string -> id.
-    ids: HashMap<String, u32>,
-    /// (left id, right id) -> (rank, merged id).
-    merges: HashMap<(u32, u32), (u32, u32)>,
-    /// Id of the single-byte token for each byte (some byte-level vocabularies
-    /// lack bytes that never occur in UTF-8 text, e.g. 0xC0, or in training
-    /// data, e.g. most control characters).
-    byte_ids: [Option<u32>; 256],
-    pre: Regex,
+    model: Model,
+    bos: Option<u32>,
+}
+
+/// An optional GGUF key: `None` when absent, an error when of the wrong type.
+fn optional<'g, T>(
+    g: &'g Gguf,
+    key: &str,
+    get: impl Fn(&'g Gguf, &str) -> Result<T, GgufError>,
+) -> Result<Option<T>, TokenizerError> {
+    match g.get(key) {
+        None => Ok(None),
+        Some(_) => Ok(Some(get(g, key)?)),
+    }
+}
+
+/// The BOS id if `tokenizer.ggml.add_bos_token` (default `add_bos`) is set.
+fn gguf_bos(g: &Gguf, add_bos: bool, n_vocab: usize) -> Result<Option<u32>, TokenizerError> {
+    if !optional(g, "tokenizer.ggml.add_bos_token", Gguf::get_bool)?.unwrap_or(add_bos) {
+        return Ok(None);
+    }
+    let bos = g.get_usize("tokenizer.ggml.bos_token_id")?;
+    if bos >= n_vocab {
+        return err(format!("bos_token_id {bos} outside the vocabulary"));
+    }
+    Ok(Some(bos as u32))
 }
 
 impl Tokenizer {
-    /// Build from the GGUF keys `tokenizer.ggml.tokens` and `tokenizer.ggml.merges`.
+    /// Build from a GGUF file's `tokenizer.ggml.*` keys.
     ///
-    /// Fails if the model is not a GPT-2 style BPE (`tokenizer.ggml.model`) or
-    /// the pre-tokenizer (`tokenizer.ggml.pre`, if present) is not `smollm`.
+    /// `"gpt2"` models need `tokens` and `merges`, and the pre-tokenizer
+    /// (`pre`, if present) must be `smollm`. `"llama"` models need `tokens`
+    /// and take `scores` (default 0), `token_type` (default normal),
+    /// `add_space_prefix` (default true) and `add_bos_token` (default true,
+    /// with `bos_token_id`); `pre`, if present, must be `default`. The
+    /// defaults are llama.cpp's.
     pub fn from_gguf(g: &Gguf) -> Result<Self, TokenizerError> {
-        let e = |e: crate::gguf::GgufError| TokenizerError(e.to_string());
-        let model = g.get_str("tokenizer.ggml.model").map_err(e)?;
-        if model != "gpt2" {
-            return err(format!("unsupported tokenizer model {model:?}"));
+        let model = g.get_str("tokenizer.ggml.model")?;
+        let pre = optional(g, "tokenizer.ggml.pre", Gguf::get_str)?;
+        match model {
+            "gpt2" => Self::bpe_from_gguf(g, pre),
+            "llama" => Self::spm_from_gguf(g, pre),
+            _ => err(format!("unsupported tokenizer model {model:?}")),
         }
-        if let Ok(pre) = g.get_str("tokenizer.ggml.pre") {
-            if pre != "smollm" {
-                return err(format!("unsupported pre-tokenizer {pre:?}"));
-            }
-        }
-        let tokens = g.get_str_array("tokenizer.ggml.tokens").map_err(e)?;
-        let merges = g.get_str_array("tokenizer.ggml.merges").map_err(e)?;
-        Self::new(tokens, merges)
     }
 
-    /// Build from byte-level token strings (id = index) and merges written as
-    /// `"left right"`, highest priority first.
+    fn bpe_from_gguf(g: &Gguf, pre: Option<&str>) -> Result<Self, TokenizerError> {
+        if let Some(pre) = pre.filter(|&p| p != "smollm") {
+            return err(format!("unsupported pre-tokenizer {pre:?}"));
+        }
+        let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
+        let merges = g.get_str_array("tokenizer.ggml.merges")?;
+        let mut tok = Self::new(&tokens, merges)?;
+        tok.bos = gguf_bos(g, false, tokens.len())?;
+        Ok(tok)
+    }
+
+    fn spm_from_gguf(g: &Gguf, pre: Option<&str>) -> Result<Self, TokenizerError> {
+        if let Some(pre) = pre.filter(|&p| p != "default") {
+            return err(format!(
+                "unsupported pre-tokenizer {pre:?} for an SPM model"
+            ));
+        }
+        let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
+        let n = tokens.len();
+        let scores = optional(g, "tokenizer.ggml.scores", Gguf::get_f32_array)?
+            .unwrap_or_else(|| vec![0.0; n]);
+        let types = match optional(g, "tokenizer.ggml.token_type", Gguf::get_i32_array)? {
+            None => vec![PieceType::Normal; n],
+            Some(types) => types
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| {
+                    PieceType::from_gguf(t)
+                        .ok_or_else(|| TokenizerError(format!("token {i} has unknown type {t}")))
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        let add_space_prefix =
+            optional(g, "tokenizer.ggml.add_space_prefix", Gguf::get_bool)?.unwrap_or(true);
+        let options = SpmOptions {
+            bos: gguf_bos(g, true, n)?,
+            add_space_prefix,
+        };
+        Self::spm(&tokens, &scores, &types, options)
+    }
+
+    /// A byte-level BPE from byte-level token strings (id = index) and merges
+    /// written as `"left right"`, highest priority first.
     pub fn new<S: AsRef<str>, M: AsRef<str>>(
         tokens: impl IntoIterator<Item = S>,
         merges: impl IntoIterator<Item = M>,
     ) -> Result<Self, TokenizerError> {
-        let b2c = byte_to_char_table();
-        let c2b: HashMap<char, u8> = b2c.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
-
-        let tokens: Vec<String> = tokens.into_iter().map(|s| s.as_ref().to_owned()).collect();
-        if u32::try_from(tokens.len()).is_err() {
-            return err("vocabulary too large");
-        }
-        let mut ids = HashMap::with_capacity(tokens.len());
-        let mut token_bytes = Vec::with_capacity(tokens.len());
-        for (i, t) in tokens.iter().enumerate() {
-            // Later duplicates do not override earlier ids (matches HF behaviour).
-            ids.entry(t.clone()).or_insert(i as u32);
-            // Tokens outside the byte alphabet (e.g. special tokens made of
-            // other characters) decode to their UTF-8 text.
-            let bytes = t
-                .chars()
-                .flat_map(|ch| match c2b.get(&ch) {
-                    Some(&b) => vec![b],
-                    None => ch.to_string().into_bytes(),
-                })
-                .collect();
-            token_bytes.push(bytes);
-        }
-
-        let mut byte_ids = [None; 256];
-        for (b, &ch) in b2c.iter().enumerate() {
-            byte_ids[b] = ids.get(ch.to_string().as_str()).copied();
-        }
-
-        let mut merge_map = HashMap::new();
-        for (rank, m) in merges.into_iter().enumerate() {
-            let m = m.as_ref();
-            let Some((l, r)) = m.split_once(' ') else {
-                return err(format!("malformed merge {m:?}"));
-            };
-            let (Some(&li), Some(&ri)) = (ids.get(l), ids.get(r)) else {
-                return err(format!("merge {m:?} uses unknown tokens"));
-            };
-            let Some(&merged) = ids.get(&format!("{l}{r}")) else {
-                return err(format!("merge {m:?} produces an unknown token"));
-            };
-            merge_map.entry((li, ri)).or_insert((rank as u32, merged));
-        }
-
-        let pre = Regex::new(GPT2_PATTERN).map_err(|e| TokenizerError(e.to_string()))?;
         Ok(Tokenizer {
-            tokens,
-            token_bytes,
-            ids,
-            merges: merge_map,
-            byte_ids,
-            pre,
+            model: Model::Bpe(Box::new(bpe::Bpe::new(tokens, merges)?)),
+            bos: None,
         })
+    }
+
+    /// A SentencePiece BPE from its pieces (id = index), their scores and
+    /// types. User-defined pieces may be written with `' '` or `'▁'`.
+    ///
+    /// Fails if the three lengths differ, a score is NaN, a byte piece is not
+    /// `<0xXX>`, a user-defined piece is empty or the BOS id is out of range.
+    pub fn spm<S: AsRef<str>>(
+        pieces: &[S],
+        scores: &[f32],
+        types: &[PieceType],
+        options: SpmOptions,
+    ) -> Result<Self, TokenizerError> {
+        if let Some(bos) = options.bos.filter(|&b| b as usize >= pieces.len()) {
+            return err(format!("BOS id {bos} outside the vocabulary"));
+        }
+        Ok(Tokenizer {
+            model: Model::Spm(Box::new(spm::Spm::new(
+                pieces,
+                scores,
+                types,
+                options.add_space_prefix,
+            )?)),
+            bos: options.bos,
+        })
+    }
+
+    /// The BOS id the model expects before the text (`add_bos_token`), if
+    /// any. [`Tokenizer::encode`] never adds it.
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
     }
 
     /// Number of tokens in the vocabulary.
     pub fn vocab_size(&self) -> usize {
-        self.tokens.len()
+        match &self.model {
+            Model::Bpe(m) => m.vocab_size(),
+            Model::Spm(m) => m.vocab_size(),
+        }
     }
 
-    /// The byte-level string of a token.
+    /// The string of a token as the vocabulary stores it (byte-level
+    /// alphabet for BPE, `'▁'` for spaces for SentencePiece).
     pub fn token(&self, id: u32) -> Option<&str> {
-        self.tokens.get(id as usize).map(String::as_str)
+        match &self.model {
+            Model::Bpe(m) => m.token(id),
+            Model::Spm(m) => m.token(id),
+        }
     }
 
-    /// The id of a byte-level token string.
+    /// The id of a token string as the vocabulary stores it.
     pub fn token_id(&self, s: &str) -> Option<u32> {
-        self.ids.get(s).copied()
+        match &self.model {
+            Model::Bpe(m) => m.token_id(s),
+            Model::Spm(m) => m.token_id(s),
+        }
     }
 
-    /// Split `text` into pre-tokens (sub-slices of `text`, in order, covering it).
+    /// Split `text` into pre-tokens (sub-slices of `text`, in order, covering
+    /// it). SentencePiece has no pre-tokenizer: the whole text is one.
     pub fn pre_tokenize<'t>(&self, text: &'t str) -> Result<Vec<&'t str>, TokenizerError> {
-        let mut out = Vec::new();
-        let mut run_start = 0;
-        for (i, ch) in text.char_indices() {
-            if ch.is_numeric() {
-                self.split_regex(&text[run_start..i], &mut out)?;
-                out.push(&text[i..i + ch.len_utf8()]);
-                run_start = i + ch.len_utf8();
-            }
+        match &self.model {
+            Model::Bpe(m) => m.pre_tokenize(text),
+            Model::Spm(_) if text.is_empty() => Ok(Vec::new()),
+            Model::Spm(_) => Ok(vec![text]),
         }
-        self.split_regex(&text[run_start..], &mut out)?;
-        Ok(out)
-    }
-
-    fn split_regex<'t>(&self, s: &'t str, out: &mut Vec<&'t str>) -> Result<(), TokenizerError> {
-        let mut last = 0;
-        for m in self.pre.find_iter(s) {
-            let m = m.map_err(|e| TokenizerError(e.to_string()))?;
-            // The pattern matches every character class, so there are no gaps;
-            // keep any (impossible) gap anyway so that decoding stays exact.
-            if m.start() > last {
-                out.push(&s[last..m.start()]);
-            }
-            out.push(m.as_str());
-            last = m.end();
-        }
-        if last < s.len() {
-            out.push(&s[last..]);
-        }
-        Ok(())
-    }
-
-    /// BPE-merge one pre-token's bytes into ids, appending to `out`.
-    ///
-    /// Fails if a byte has no token: encoding must stay exactly invertible.
-    fn bpe(&self, piece: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
-        let mut syms = Vec::with_capacity(piece.len());
-        for b in piece.bytes() {
-            match self.byte_ids[b as usize] {
-                Some(id) => syms.push(id),
-                None => return err(format!("byte 0x{b:02x} (in {piece:?}) has no token")),
-            }
-        }
-        loop {
-            // Leftmost occurrence of the best-ranked mergeable pair.
-            let best = syms
-                .windows(2)
-                .enumerate()
-                .filter_map(|(i, w)| self.merges.get(&(w[0], w[1])).map(|&(r, m)| (r, i, m)))
-                .min_by_key(|&(r, i, _)| (r, i));
-            match best {
-                Some((_, i, merged)) => {
-                    syms[i] = merged;
-                    syms.remove(i + 1);
-                }
-                None => break,
-            }
-        }
-        out.extend_from_slice(&syms);
-        Ok(())
     }
 
     /// Encode text to token ids (no BOS/EOS, no special-token parsing).
+    ///
+    /// Fails if a byte needed to encode the text has no token: encoding must
+    /// stay exactly invertible.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let mut out = Vec::with_capacity(text.len() / 3);
-        let mut cache: HashMap<&str, (usize, usize)> = HashMap::new();
-        for piece in self.pre_tokenize(text)? {
-            if let Some(&(start, len)) = cache.get(piece) {
-                out.extend_from_within(start..start + len);
-                continue;
-            }
-            let start = out.len();
-            self.bpe(piece, &mut out)?;
-            cache.insert(piece, (start, out.len() - start));
+        match &self.model {
+            Model::Bpe(m) => m.encode(text),
+            Model::Spm(m) => m.encode(text),
         }
-        Ok(out)
     }
 
     /// The bytes a sequence of ids stands for.
     pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>, TokenizerError> {
         let mut out = Vec::new();
         for &id in ids {
-            match self.token_bytes.get(id as usize) {
+            let bytes = match &self.model {
+                Model::Bpe(m) => m.token_bytes(id),
+                Model::Spm(m) => m.token_bytes(id),
+            };
+            match bytes {
                 Some(b) => out.extend_from_slice(b),
                 None => return err(format!("token id {id} out of range")),
             }
+        }
+        if let Model::Spm(m) = &self.model {
+            m.strip_prefix(&mut out);
         }
         Ok(out)
     }

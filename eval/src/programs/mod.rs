@@ -44,6 +44,7 @@ pub struct Loaded {
     /// The BOS id when the file asks for one (`tokenizer.ggml.add_bos_token`):
     /// each perplexity window then starts with it ([`crate::ppl::PplOptions::bos`]).
     pub bos: Option<u32>,
+    /// The model's name: the published one for the fetched files, else
     /// `general.name`, else the file name.
     pub name: String,
 }
@@ -53,26 +54,21 @@ pub fn load(path: &std::path::Path) -> Result<Loaded, BoxError> {
     let gguf = Gguf::open(path)?;
     let tok = Tokenizer::from_gguf(&gguf)?;
     let model = Model::from_gguf(&gguf)?;
-    let add_bos = gguf
-        .get("tokenizer.ggml.add_bos_token")
-        .and_then(|v| v.as_bool())
-        .unwrap_or(false);
-    let bos = match add_bos {
-        true => Some(u32::try_from(
-            gguf.get_usize("tokenizer.ggml.bos_token_id")?,
-        )?),
-        false => None,
-    };
+    let bos = tok.bos();
     if let Some(b) = bos {
         if b as usize >= model.cfg.vocab_size {
             return Err(format!("BOS id {b} outside the vocabulary").into());
         }
     }
-    let name = match gguf.get_str("general.name") {
-        Ok(n) => n.to_owned(),
-        Err(_) => path
-            .file_name()
-            .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+    let file = path
+        .file_name()
+        .map_or_else(String::new, |f| f.to_string_lossy().into_owned());
+    // SmolLM2's `general.name` is a training-run label; the fetched files
+    // get their published names.
+    let name = match file.as_str() {
+        crate::assets::MODEL => "SmolLM2-135M-Instruct".to_owned(),
+        crate::assets::GEMMA => "Gemma 3 270M".to_owned(),
+        _ => gguf.get_str("general.name").map_or(file, str::to_owned),
     };
     Ok(Loaded {
         tok,

@@ -1,6 +1,7 @@
 //! Tokenize (a prefix of) a corpus with the GGUF tokenizer and print the ids,
 //! one per line; used by `scripts/check_tokenizer.py` to compare against the
-//! Hugging Face `tokenizers` package.
+//! Hugging Face `tokenizers` package (SmolLM2) and `sentencepiece` (Gemma 3,
+//! `--model assets/gemma-3-270m-q4_k_m.gguf`).
 //!
 //! ```text
 //! cargo run --release --example tokenize -- [--corpus austen|code|PATH] [--chars N] [--model PATH] [--check]
