@@ -522,6 +522,13 @@ pub mod presets {
     pub fn q5_1() -> QuantScheme {
         ggml(5, Mode::Asymmetric)
     }
+    /// llama.cpp `iq4_nl`: 16 non-uniform levels, f16 scale per 32 (4.5
+    /// bits), ggml's encoder ([`Levels::Iq4Nl`](crate::quant::codebook::Levels::Iq4Nl)):
+    /// the values llama.cpp stores for this cache type. A codec, not a
+    /// scheme: its codes index a table.
+    pub fn iq4_nl() -> crate::Codec {
+        crate::Codec::codebook(q4_0(), crate::quant::codebook::Levels::Iq4Nl)
+    }
     /// HF quanto `int4` as used by transformers' `QuantizedCache`: asymmetric
     /// 4-bit, groups of 64 channels per token.
     pub fn quanto_int4() -> QuantScheme {

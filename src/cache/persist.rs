@@ -13,7 +13,7 @@
 //! allocating for the claim.
 
 use super::*;
-use crate::quant::Rotation;
+use crate::quant::{Levels, Rotation};
 use crate::store::{check_fits, validate_params, SchemeBytes};
 use std::io::{Read, Write};
 
@@ -44,7 +44,9 @@ struct StreamHeader {
     reserved1: u32,
 }
 
-/// A codec as saved (16 bytes): `present` 0 for full precision.
+/// A codec as saved (16 bytes): `present` 0 for full precision, 1 for
+/// the uniform grid, `2 + id` for a codebook ([`Levels`]: 0 `iq4_nl`, 1 NF4,
+/// 2 Lloyd-Max).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
 struct CodecTag {
@@ -270,7 +272,7 @@ fn codec_tag(c: Option<Codec>) -> CodecTag {
     };
     let b = SchemeBytes::new(&c.scheme());
     CodecTag {
-        present: 1,
+        present: c.levels().map_or(1, |l| 2 + l.id()),
         bits: b.bits,
         axis: b.axis,
         group_kind: b.group_kind,
@@ -287,12 +289,15 @@ fn codec_tag(c: Option<Codec>) -> CodecTag {
 }
 
 fn tag_codec(t: &CodecTag, what: &str) -> std::result::Result<Option<Codec>, String> {
-    match t.present {
+    let levels = match t.present {
         0 if bytemuck::bytes_of(t).iter().all(|&b| b == 0) => return Ok(None),
         0 => return Err(format!("{what}: a full-precision tag with non-zero bytes")),
-        1 => {}
-        x => return Err(format!("{what}: codec byte {x}")),
-    }
+        1 => None,
+        x => match x.checked_sub(2).and_then(Levels::from_id) {
+            Some(l) => Some(l),
+            None => return Err(format!("{what}: codec byte {x}")),
+        },
+    };
     let scheme = SchemeBytes {
         bits: t.bits,
         axis: t.axis,
@@ -313,10 +318,12 @@ fn tag_codec(t: &CodecTag, what: &str) -> std::result::Result<Option<Codec>, Str
     if flags > 1 {
         return Err(format!("{what}: codec flags {flags:#x}"));
     }
+    let codec = match levels {
+        None => Codec::uniform(scheme),
+        Some(l) => Codec::codebook(scheme, l),
+    };
     Ok(Some(
-        Codec::uniform(scheme)
-            .with_rotation(rotation)
-            .with_int8_kernels(flags == 1),
+        codec.with_rotation(rotation).with_int8_kernels(flags == 1),
     ))
 }
 

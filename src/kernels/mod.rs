@@ -136,6 +136,7 @@ macro_rules! packed_kernel {
     };
 }
 
+pub(crate) mod codebook;
 pub mod dense;
 pub mod reference;
 

@@ -11,11 +11,13 @@
 //!
 //! Formats compose: [`Rotated`] wraps any codec with the randomized
 //! Hadamard rotation ([`Hadamard`]); [`UniformCodec`] is the uniform integer
-//! grid with its exact and int8 kernels.
+//! grid with its exact and int8 kernels; [`CodebookCodec`] indexes a table
+//! of levels ([`Levels`]: `iq4_nl`, NF4, Lloyd-Max) with the same storage.
 
 use std::fmt;
 use std::sync::Arc;
 
+use super::codebook::{CodebookCodec, Levels};
 use super::rotation::Hadamard;
 use super::{group_params, min_max, quantize_channel_block, quantize_token, safe_abs};
 use crate::error::{Error, Result};
@@ -194,6 +196,7 @@ pub struct Codec {
     scheme: QuantScheme,
     rotation: Rotation,
     int8: bool,
+    levels: Option<Levels>,
 }
 
 impl From<QuantScheme> for Codec {
@@ -209,6 +212,29 @@ impl Codec {
             scheme,
             rotation: Rotation::None,
             int8: false,
+            levels: None,
+        }
+    }
+
+    /// The codebook `levels` on the storage of `scheme` (a symmetric
+    /// per-token scheme of a width the table has; checked by
+    /// [`build`](Self::build)): `x̂ = scale·level[code]`.
+    ///
+    /// ```
+    /// use kvq::{Axis, Codec, Group, Levels, Mode, QuantScheme};
+    /// let s = QuantScheme::new(4, Axis::PerToken, Group::Size(32))?.with_mode(Mode::Symmetric)?;
+    /// let c = Codec::codebook(s, Levels::Gauss).with_rotation(kvq::Rotation::Hadamard);
+    /// assert_eq!(c.label(), "H·gauss·4b-pt32-sym-f16");
+    /// let x: Vec<f32> = (0..128).map(|i| (i as f32 * 0.37).sin()).collect();
+    /// let y = c.roundtrip(&x, 1, 128)?;
+    /// let mse = x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum::<f32>() / 128.0;
+    /// assert!(mse < 0.01 * 0.5); // within 1 % of the signal's power
+    /// # Ok::<(), kvq::Error>(())
+    /// ```
+    pub fn codebook(scheme: QuantScheme, levels: Levels) -> Self {
+        Codec {
+            levels: Some(levels),
+            ..Codec::uniform(scheme)
         }
     }
 
@@ -245,9 +271,18 @@ impl Codec {
         self.int8
     }
 
-    /// A short label: the scheme's, prefixed `H·` when rotated.
+    /// The codebook, `None` for the uniform grid.
+    pub fn levels(&self) -> Option<Levels> {
+        self.levels
+    }
+
+    /// A short label: the scheme's, prefixed with the codebook's name
+    /// (`nf4·…`) and `H·` when rotated.
     pub fn label(&self) -> String {
-        let s = self.scheme.label();
+        let s = match self.levels {
+            None => self.scheme.label(),
+            Some(l) => format!("{}·{}", l.name(), self.scheme.label()),
+        };
         match self.rotation {
             Rotation::None => s,
             Rotation::Hadamard => format!("H·{s}"),
@@ -264,6 +299,9 @@ impl Codec {
     /// [`KvQuantizer::roundtrip`](crate::KvQuantizer::roundtrip).
     pub fn roundtrip(&self, x: &[f32], n_kv_heads: usize, head_dim: usize) -> Result<Vec<f32>> {
         use crate::{KvQuantizer, UniformQuantizer};
+        if self.levels.is_some() {
+            return self.roundtrip_built(x, n_kv_heads, head_dim);
+        }
         let q = UniformQuantizer::new(self.scheme, n_kv_heads, head_dim)?;
         let tokens = x.len() / (n_kv_heads * head_dim).max(1);
         match self.rotation {
@@ -284,16 +322,66 @@ impl Codec {
         }
     }
 
+    /// [`roundtrip`](Self::roundtrip) through the built codec's own
+    /// encoder and decoder, token by token.
+    fn roundtrip_built(&self, x: &[f32], n_kv_heads: usize, head_dim: usize) -> Result<Vec<f32>> {
+        let op = "Codec::roundtrip";
+        let c = self.build(n_kv_heads, head_dim)?;
+        let l = *c.layout();
+        let width = n_kv_heads * head_dim;
+        let tokens = x.len() / width;
+        super::check_len(op, "values", tokens * width, x.len())?;
+        super::check_finite(op, x, n_kv_heads, head_dim, 0)?;
+        let mut r = x.to_vec();
+        c.transform_in(&mut r);
+        let (rb, pb) = (l.row_bytes(), l.head_param_bytes(1));
+        let (mut codes, mut params) = (vec![0u8; n_kv_heads * rb], vec![0u8; n_kv_heads * pb]);
+        let mut pend = Pending::default();
+        let backend = Backend::detect();
+        for (t, row) in r.chunks_exact_mut(width).enumerate() {
+            let abs_max = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            c.check(op, row, abs_max, t, t, &mut pend)?;
+            c.encode_token(backend, row, t, &mut codes, &mut params)?;
+            for h in 0..n_kv_heads {
+                let head = PackedHead::new(
+                    l,
+                    1,
+                    &codes[h * rb..(h + 1) * rb],
+                    &params[h * pb..(h + 1) * pb],
+                )?;
+                c.decode(&head, &mut row[h * head_dim..(h + 1) * head_dim]);
+            }
+        }
+        c.transform_out(&mut r);
+        Ok(r)
+    }
+
     /// The codec for heads of this shape.
     ///
     /// # Errors
     /// As [`QuantScheme::layout`]; [`Error::InvalidShape`] for a rotation
-    /// that does not fit `head_dim`.
+    /// that does not fit `head_dim`; [`Error::InvalidConfig`] for a codebook
+    /// that does not fit its scheme ([`CodebookCodec::new`]) or asks for
+    /// the int8 kernels (they read the uniform grid).
     pub fn build(&self, n_kv_heads: usize, head_dim: usize) -> Result<Arc<dyn KvCodec>> {
-        let u = UniformCodec::new(self.scheme.layout(n_kv_heads, head_dim)?, self.int8);
-        Ok(match self.rotation {
-            Rotation::None => Arc::new(u),
-            Rotation::Hadamard => Arc::new(Rotated::new(u, Hadamard::new(head_dim)?)),
+        let layout = self.scheme.layout(n_kv_heads, head_dim)?;
+        let rot = match self.rotation {
+            Rotation::None => None,
+            Rotation::Hadamard => Some(Hadamard::new(head_dim)?),
+        };
+        Ok(match (self.levels, rot) {
+            (None, None) => Arc::new(UniformCodec::new(layout, self.int8)),
+            (None, Some(h)) => Arc::new(Rotated::new(UniformCodec::new(layout, self.int8), h)),
+            (Some(_), _) if self.int8 => {
+                return Err(Error::InvalidConfig {
+                    op: "Codec::build",
+                    what: "the int8 kernels read the uniform grid, not a codebook".into(),
+                })
+            }
+            (Some(levels), None) => Arc::new(CodebookCodec::new(layout, levels)?),
+            (Some(levels), Some(h)) => {
+                Arc::new(Rotated::new(CodebookCodec::new(layout, levels)?, h))
+            }
         })
     }
 }

@@ -48,9 +48,11 @@ use crate::store::PackedBlock;
 use crate::views::{check_tail, contiguous};
 use ndarray::{Array3, ArrayView3};
 
+pub mod codebook;
 pub mod codec;
 pub mod rotation;
 
+pub use codebook::{CodebookCodec, Levels};
 pub use codec::{Codec, KvCodec, Pending, Rotated, Rotation, UniformCodec};
 pub use rotation::Hadamard;
 

@@ -71,6 +71,7 @@ pub(crate) const fn fused_shape<S: Simd>(b: u8, hd: usize) -> bool {
     (b == 0 && hd == 0) || compiled_shape(S::BACKEND, b, hd)
 }
 
+pub(crate) mod codebook;
 pub(crate) mod generic;
 pub(crate) mod int8;
 pub(crate) mod quantize;

@@ -59,6 +59,7 @@ unsafe impl Simd for Avx2 {
     type F = __m256;
     type I = __m256i;
     type C3 = Code3;
+    type T16 = (__m256, __m256);
 
     #[inline(always)]
     fn zero(self) -> __m256 {
@@ -170,6 +171,26 @@ unsafe impl Simd for Avx2 {
     fn permute(self, table: __m256, idx: __m256i) -> __m256 {
         // SAFETY: AVX2.
         unsafe { _mm256_permutevar8x32_ps(table, idx) }
+    }
+    #[inline(always)]
+    fn table16(self, t: &[f32; 16]) -> (__m256, __m256) {
+        // SAFETY: AVX; `t` is 16 floats (two unaligned loads of 8).
+        unsafe {
+            (
+                _mm256_loadu_ps(t.as_ptr()),
+                _mm256_loadu_ps(t.as_ptr().add(8)),
+            )
+        }
+    }
+    #[inline(always)]
+    fn lut16(self, t: (__m256, __m256), idx: __m256i) -> __m256 {
+        // SAFETY: AVX2. `vpermps` reads the low 3 bits of each index; bit 3,
+        // shifted into the sign bit, picks the table's upper half.
+        unsafe {
+            let lo = _mm256_permutevar8x32_ps(t.0, idx);
+            let hi = _mm256_permutevar8x32_ps(t.1, idx);
+            _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)))
+        }
     }
     #[inline(always)]
     fn field_f32<const P: u32>(self, v: __m256i) -> __m256 {

@@ -60,6 +60,7 @@ unsafe impl Simd for Avx512 {
     type F = __m512;
     type I = __m512i;
     type C3 = Code3;
+    type T16 = __m512;
 
     #[inline(always)]
     fn avx512(self) -> Option<Avx512> {
@@ -166,6 +167,16 @@ unsafe impl Simd for Avx512 {
     fn permute(self, table: __m512, idx: __m512i) -> __m512 {
         // SAFETY: AVX-512F.
         unsafe { _mm512_permutexvar_ps(idx, table) }
+    }
+    #[inline(always)]
+    fn table16(self, t: &[f32; 16]) -> __m512 {
+        // SAFETY: AVX-512F; `t` is 16 floats (unaligned load).
+        unsafe { _mm512_loadu_ps(t.as_ptr()) }
+    }
+    #[inline(always)]
+    fn lut16(self, t: __m512, idx: __m512i) -> __m512 {
+        // SAFETY: AVX-512F. `vpermps` reads the low 4 bits of each index.
+        unsafe { _mm512_permutexvar_ps(idx, t) }
     }
     #[inline(always)]
     fn code3_consts(self, hd: usize) -> Option<Code3> {

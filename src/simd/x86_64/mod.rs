@@ -116,6 +116,8 @@ pub(crate) unsafe trait Simd: Copy {
     type I: Copy;
     /// Per-call constants of [`Simd::code3_bytes`].
     type C3: Copy;
+    /// A 16-entry `f32` table held in registers, for [`Simd::lut16`].
+    type T16: Copy;
 
     /// All lanes zero.
     fn zero(self) -> Self::F;
@@ -155,6 +157,11 @@ pub(crate) unsafe trait Simd: Copy {
     fn field_f32<const P: u32>(self, v: Self::I) -> Self::F;
     /// Lane `l` of the result is lane `idx[l]` of `table` (`idx[l] < L`).
     fn permute(self, table: Self::F, idx: Self::I) -> Self::F;
+    /// The 16 entries of `t` in registers.
+    fn table16(self, t: &[f32; 16]) -> Self::T16;
+    /// Lane `l` of the result is `t[idx[l]]` (`idx[l] < 16`): a codebook
+    /// lookup, one permute on AVX-512, two and a blend on AVX2.
+    fn lut16(self, t: Self::T16, idx: Self::I) -> Self::F;
     /// `(v >> s) & mask` for `s ≥ 0`, `(v << -s) & mask` for `s < 0`.
     fn shr_mask(self, v: Self::I, s: i32, mask: u32) -> Self::I;
     /// `((v >> a) & mask) << sh` in the low half of the lanes and

@@ -1,0 +1,169 @@
+//! The codebook kernels' vector loops (see `kernels/codebook.rs`): decode a
+//! row with [`Simd::lut16`] into an L1 scratch, scale it per group, then
+//! dot it with every query or add it into every output.
+
+use super::Simd;
+use crate::scheme::Layout;
+use crate::store::PackedHead;
+
+/// Whether rows of this layout decode a whole vector per load: every
+/// plane's bytes a multiple of `L` (4 bits: `head_dim/2`; 2 bits:
+/// `head_dim/4`; 3 bits: the 1-bit plane's `head_dim/8`).
+#[inline(always)]
+pub(crate) fn takes<S: Simd>(l: &Layout) -> bool {
+    let hd = l.head_dim();
+    let plane = match l.scheme().bits() {
+        4 => hd / 2,
+        2 => hd / 4,
+        3 => hd / 8,
+        _ => return false,
+    };
+    plane > 0 && plane.is_multiple_of(S::L)
+}
+
+/// Assert every length [`run`] relies on.
+#[inline(always)]
+pub(crate) fn check(head: &PackedHead<'_>, x: usize, out: usize, sum: bool) {
+    let l = head.layout();
+    let (hd, t) = (l.head_dim(), head.tokens());
+    assert!(
+        head.codes().len() >= t * l.row_bytes(),
+        "codebook: code rows"
+    );
+    let nq = if sum { out / hd } else { x / hd };
+    let (xs, os) = if sum {
+        (nq * t, nq * hd)
+    } else {
+        (nq * hd, nq * t)
+    };
+    assert!(x == xs && out == os, "codebook: lengths");
+}
+
+/// Decode the `hd` codes of `row` (`bits` 2, 3 or 4, [`takes`] true) to
+/// their table entries at `scr`.
+///
+/// # Safety
+/// `row` valid for `hd·bits/8` bytes, `scr` for `hd` floats.
+#[inline(always)]
+unsafe fn decode_codes<S: Simd>(
+    s: S,
+    tbl: S::T16,
+    row: *const u8,
+    bits: u8,
+    hd: usize,
+    scr: *mut f32,
+) {
+    // SAFETY: every load reads `L` bytes inside the row's planes and every
+    // store writes `L` floats inside `scr`, by `takes` and the caller's
+    // contract (see `crate::pack` for the plane layout).
+    unsafe {
+        match bits {
+            4 => {
+                let m = hd / 2;
+                for j in (0..m).step_by(S::L) {
+                    let v = s.load_u8(row.add(j));
+                    s.store(scr.add(j), s.lut16(tbl, s.shr_mask(v, 0, 15)));
+                    s.store(scr.add(j + m), s.lut16(tbl, s.shr_mask(v, 4, 15)));
+                }
+            }
+            2 => {
+                let m = hd / 4;
+                for j in (0..m).step_by(S::L) {
+                    let v = s.load_u8(row.add(j));
+                    for f in 0..4 {
+                        let idx = s.shr_mask(v, 2 * f as i32, 3);
+                        s.store(scr.add(j + f * m), s.lut16(tbl, idx));
+                    }
+                }
+            }
+            _ => {
+                // Two planes: bits 0–1 in `m2` bytes, then bit 2 in `m1`.
+                let (m2, m1) = (hd / 4, hd / 8);
+                for j in (0..m2).step_by(S::L) {
+                    let lo = s.load_u8(row.add(j));
+                    let hb = j / m1;
+                    let hi = s.load_u8(row.add(m2 + j % m1));
+                    for f in 0..4 {
+                        let k = (2 * f + hb) as i32;
+                        let idx = s.or(s.shr_mask(lo, 2 * f as i32, 3), s.shr_mask(hi, k - 2, 4));
+                        s.store(scr.add(j + f * m2), s.lut16(tbl, idx));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Scores (`sum` false: `out[i·T + t] = x_i·k̂_t`) or the weighted sum
+/// (`out_i += Σ_t x[i·T + t]·v̂_t`) of one codebook head.
+///
+/// # Safety
+/// [`check`] and [`takes`] hold for these arguments, and `s` is a token
+/// of this CPU.
+#[inline(always)]
+pub(crate) unsafe fn run<S: Simd>(
+    s: S,
+    head: &PackedHead<'_>,
+    table: &[f32; 16],
+    x: &[f32],
+    out: &mut [f32],
+    sum: bool,
+) {
+    let l = head.layout();
+    let (hd, rb, cpg, bits) = (
+        l.head_dim(),
+        l.row_bytes(),
+        l.channels_per_group(),
+        l.scheme().bits(),
+    );
+    let tokens = head.tokens();
+    let nq = if sum { out.len() / hd } else { x.len() / hd };
+    let tbl = s.table16(table);
+    // Every access to the scratch goes through `scr`.
+    let mut buf = vec![0f32; hd];
+    let scr = buf.as_mut_ptr();
+    let whole = cpg.is_multiple_of(S::L);
+    for t in 0..tokens {
+        // SAFETY: row `t` lies in the codes (checked), `scr` holds `hd`
+        // floats, and every vector access below stays inside `scr`, the
+        // query row `i` (`hd` floats of `x`) or the output row `i` (`hd`
+        // of `out`): `hd` is a multiple of `L` by `takes`.
+        unsafe {
+            decode_codes(s, tbl, head.codes().as_ptr().add(t * rb), bits, hd, scr);
+            for g in 0..hd / cpg {
+                let sc = head.param(t, g).0;
+                if whole {
+                    let sv = s.splat(sc);
+                    for j in (g * cpg..(g + 1) * cpg).step_by(S::L) {
+                        s.store(scr.add(j), s.mul(s.load(scr.add(j)), sv));
+                    }
+                } else {
+                    for j in g * cpg..(g + 1) * cpg {
+                        *scr.add(j) *= sc;
+                    }
+                }
+            }
+            if sum {
+                for i in 0..nq {
+                    let w = x[i * tokens + t];
+                    if w == 0.0 {
+                        continue;
+                    }
+                    let (wv, o) = (s.splat(w), out.as_mut_ptr().add(i * hd));
+                    for j in (0..hd).step_by(S::L) {
+                        s.store(o.add(j), s.fma(wv, s.load(scr.add(j)), s.load(o.add(j))));
+                    }
+                }
+            } else {
+                for i in 0..nq {
+                    let q = x.as_ptr().add(i * hd);
+                    let mut acc = s.zero();
+                    for j in (0..hd).step_by(S::L) {
+                        acc = s.fma(s.load(q.add(j)), s.load(scr.add(j)), acc);
+                    }
+                    out[i * tokens + t] = s.hsum(acc);
+                }
+            }
+        }
+    }
+}

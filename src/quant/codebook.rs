@@ -1,0 +1,500 @@
+//! Codebook formats: each code indexes a fixed table of levels, times one
+//! scale per group, `x̂ = scale·level[code]`.
+//!
+//! The storage is that of a symmetric per-token [`QuantScheme`] — packed
+//! codes of `bits` bits and one scale per group, nothing else — so the
+//! accounting ([`Layout`]) is the uniform grid's; only the meaning of a code
+//! differs. Three tables ([`Levels`]):
+//!
+//! * [`Levels::Iq4Nl`]: llama.cpp's `iq4_nl` cache type value for value —
+//!   its 16 non-uniform integer levels (−127 … 113), blocks of 32, an f16
+//!   scale, and ggml's reference encoder (`quantize_row_iq4_nl_ref`: codes
+//!   from `d₀ = m/−127` with `m` the block's first element of largest
+//!   magnitude, then `d` refit by least squares weighted by `x²`, stored to
+//!   the nearest f16; `d` may be negative).
+//! * [`Levels::Nf4`]: the NF4 quantiles of a unit Gaussian (QLoRA). Codes
+//!   start from the group's absmax as the scale; the scale is refit by
+//!   least squares and the codes recomputed with the stored scale.
+//! * [`Levels::Gauss`]: the Lloyd-Max levels of a unit Gaussian at 2, 3 or
+//!   4 bits (the MSE-optimal quantizer of N(0,1)), meant for heads after
+//!   the Hadamard rotation, which makes their values close to Gaussian
+//!   (TurboQuant's recipe without its 1-bit residual). A group of 32 is too
+//!   small for its RMS to be a good scale, so the encoder tries four
+//!   starts (the absmax on the outer level, 10 % inside and outside it, and
+//!   the RMS), refits each as NF4 does, and keeps the one of least squared
+//!   error: on Gaussian groups of 32 that is 15 % below llama.cpp's `q4_0`
+//!   at the same 4.5 bits, and at 3.5 (2.5) bits below the uniform 3-bit
+//!   (2-bit) grid with scale and zero, which takes 4 (3) bits.
+//!
+//! The fused kernels look levels up in registers (`vpermps`, see
+//! `kernels::codebook`).
+
+use super::codec::{Codec, KvCodec, Pending};
+use crate::error::{Error, Result};
+use crate::kernels;
+use crate::scheme::{Axis, Group, Layout, Mode, Rounding, ScaleFormat};
+use crate::simd::Backend;
+use crate::store::PackedHead;
+
+/// The table of a codebook format (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Levels {
+    /// llama.cpp's `iq4_nl` levels and encoder (4 bits, groups of 32, f16
+    /// scales, [`Rounding::Ggml`]: use [`crate::presets::iq4_nl`]).
+    Iq4Nl,
+    /// NF4: Gaussian quantiles scaled by the group's absmax (4 bits).
+    Nf4,
+    /// Lloyd-Max levels of a unit Gaussian scaled by a least-squares fit
+    /// from the group's RMS (2, 3 or 4 bits).
+    Gauss,
+}
+
+/// llama.cpp's `kvalues_iq4nl`.
+const IQ4NL: [f32; 16] = [
+    -127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0, 1.0, 13.0, 25.0, 38.0, 53.0, 69.0,
+    89.0, 113.0,
+];
+
+/// The NF4 levels (QLoRA's `NF4` data type, symmetric about 0 with an
+/// exact 0).
+const NF4: [f32; 16] = [
+    -1.0,
+    -0.696_192_8,
+    -0.525_073_05,
+    -0.394_917_5,
+    -0.284_441_38,
+    -0.184_773_43,
+    -0.091_050_036,
+    0.0,
+    0.079_580_3,
+    0.160_930_2,
+    0.246_112_3,
+    0.337_915_24,
+    0.440_709_83,
+    0.562_617,
+    0.722_956_84,
+    1.0,
+];
+
+/// Lloyd-Max reconstruction levels of N(0, 1) (Max, 1960), checked by a
+/// Lloyd iteration in `tests/codebook.rs`.
+const GAUSS2: [f32; 4] = [-1.5104, -0.4528, 0.4528, 1.5104];
+const GAUSS3: [f32; 8] = [
+    -2.1520, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 2.1520,
+];
+const GAUSS4: [f32; 16] = [
+    -2.7326, -2.0690, -1.6180, -1.2562, -0.9424, -0.6568, -0.3881, -0.1284, 0.1284, 0.3881, 0.6568,
+    0.9424, 1.2562, 1.6180, 2.0690, 2.7326,
+];
+
+impl Levels {
+    /// Every table, for tests and sweeps.
+    pub const ALL: &'static [Levels] = &[Levels::Iq4Nl, Levels::Nf4, Levels::Gauss];
+
+    /// The levels at `bits` bits, ascending (`None` when this table has no
+    /// such width).
+    pub fn table(self, bits: u8) -> Option<&'static [f32]> {
+        match (self, bits) {
+            (Levels::Iq4Nl, 4) => Some(&IQ4NL),
+            (Levels::Nf4, 4) => Some(&NF4),
+            (Levels::Gauss, 2) => Some(&GAUSS2),
+            (Levels::Gauss, 3) => Some(&GAUSS3),
+            (Levels::Gauss, 4) => Some(&GAUSS4),
+            _ => None,
+        }
+    }
+
+    /// Its short name: `iq4_nl`, `nf4`, `gauss`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Levels::Iq4Nl => "iq4_nl",
+            Levels::Nf4 => "nf4",
+            Levels::Gauss => "gauss",
+        }
+    }
+
+    /// Its id in saved caches (`docs/FORMAT.md`).
+    pub(crate) fn id(self) -> u8 {
+        match self {
+            Levels::Iq4Nl => 0,
+            Levels::Nf4 => 1,
+            Levels::Gauss => 2,
+        }
+    }
+
+    /// The table of a saved id.
+    pub(crate) fn from_id(id: u8) -> Option<Levels> {
+        Levels::ALL.get(usize::from(id)).copied()
+    }
+}
+
+/// The index of the level nearest to `x` in the ascending `t`, ties to the
+/// upper one (ggml's `best_index_int8`); the ends take everything beyond.
+#[inline]
+pub(crate) fn nearest(t: &[f32], x: f32) -> u8 {
+    let n = t.len();
+    if x <= t[0] {
+        return 0;
+    }
+    if x >= t[n - 1] {
+        return (n - 1) as u8;
+    }
+    // Invariant: t[lo] <= x < t[hi].
+    let (mut lo, mut hi) = (0, n - 1);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if x < t[mid] {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    if x - t[lo] < t[hi] - x {
+        lo as u8
+    } else {
+        hi as u8
+    }
+}
+
+/// `x` rounded to the nearest value of `fmt` (infinite when out of range).
+fn round_nearest(fmt: ScaleFormat, x: f32) -> f32 {
+    match fmt {
+        ScaleFormat::F32 => x,
+        ScaleFormat::F16 => half::f16::from_f32(x).to_f32(),
+        ScaleFormat::Bf16 => half::bf16::from_f32(x).to_f32(),
+    }
+}
+
+/// The stored scale of one group `x` (finite values) and its codes, or the
+/// scale that does not fit `fmt`.
+pub(crate) fn encode_group(
+    levels: Levels,
+    t: &[f32],
+    fmt: ScaleFormat,
+    x: &[f32],
+    codes: &mut [u8],
+) -> std::result::Result<f32, f32> {
+    let zero_code = nearest(t, 0.0);
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let all_zero = |codes: &mut [u8]| {
+        codes.fill(zero_code);
+        Ok(0.0)
+    };
+    match levels {
+        Levels::Iq4Nl => {
+            // ggml's early exit: scale 0, codes 0 (so a block decodes to −0).
+            if amax < 1e-15 {
+                codes.fill(0);
+                return Ok(0.0);
+            }
+            let d0 = max / t[0];
+            let id = 1.0 / d0;
+            let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
+            for (c, &v) in codes.iter_mut().zip(x) {
+                *c = nearest(t, id * v);
+                let q = t[*c as usize];
+                let w = v * v;
+                sumqx += w * q * v;
+                sumq2 += w * q * q;
+            }
+            let d = round_nearest(fmt, sumqx / sumq2);
+            if d.is_finite() {
+                Ok(d)
+            } else {
+                Err(sumqx / sumq2)
+            }
+        }
+        Levels::Nf4 | Levels::Gauss => {
+            if amax == 0.0 {
+                return all_zero(codes);
+            }
+            let top = t[t.len() - 1];
+            let rms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / x.len() as f64)
+                .sqrt() as f32;
+            // Starting scales: the absmax on the outer level (NF4's own
+            // rule), for Lloyd-Max also a little inside and outside it and
+            // the RMS (best at 2 bits); each is refit by least squares and
+            // the codes recomputed with the stored scale; the smallest
+            // squared error wins.
+            let starts: &[f32] = match levels {
+                Levels::Nf4 => &[1.0],
+                _ => &[0.9, 1.0, 1.1, 0.0],
+            };
+            let mut best = (f64::INFINITY, 0.0f32);
+            let mut tmp = [0u8; 256];
+            for &f in starts {
+                let d0 = if f == 0.0 { rms } else { f * amax / top };
+                let d = refit(t, fmt, x, d0, codes)?;
+                let e: f64 = x
+                    .iter()
+                    .zip(codes.iter())
+                    .map(|(&v, &c)| f64::from(v - d * t[usize::from(c)]).powi(2))
+                    .sum();
+                if e < best.0 {
+                    best = (e, d);
+                    if codes.len() <= tmp.len() {
+                        tmp[..codes.len()].copy_from_slice(codes);
+                    }
+                }
+            }
+            if codes.len() <= tmp.len() {
+                codes.copy_from_slice(&tmp[..codes.len()]);
+                Ok(best.1)
+            } else {
+                refit(t, fmt, x, best.1, codes)
+            }
+        }
+    }
+}
+
+/// Codes of `x` at scale `d0`, the least-squares scale for them rounded
+/// into `fmt`, and the codes again at that stored scale; returns it.
+fn refit(
+    t: &[f32],
+    fmt: ScaleFormat,
+    x: &[f32],
+    d0: f32,
+    codes: &mut [u8],
+) -> std::result::Result<f32, f32> {
+    let zero_code = nearest(t, 0.0);
+    if d0.is_nan() || d0 <= 0.0 || d0.is_infinite() {
+        codes.fill(zero_code);
+        return Ok(0.0);
+    }
+    let id = 1.0 / d0;
+    let (mut sqx, mut sq2) = (0.0f64, 0.0f64);
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = nearest(t, v * id);
+        let q = f64::from(t[usize::from(*c)]);
+        sqx += q * f64::from(v);
+        sq2 += q * q;
+    }
+    let fit = if sq2 > 0.0 { (sqx / sq2) as f32 } else { 0.0 };
+    let d = round_nearest(fmt, fit);
+    if !d.is_finite() {
+        return Err(fit);
+    }
+    if d <= 0.0 {
+        codes.fill(zero_code);
+        return Ok(0.0);
+    }
+    let id = 1.0 / d;
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = nearest(t, v * id);
+    }
+    Ok(d)
+}
+
+/// A codebook format for one shape: the layout of its symmetric scheme
+/// and the levels, padded to 16 for the kernels.
+#[derive(Debug, Clone)]
+pub struct CodebookCodec {
+    layout: Layout,
+    levels: Levels,
+    table: [f32; 16],
+    n: usize,
+}
+
+impl CodebookCodec {
+    /// The codebook `levels` on `layout`'s storage.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] unless the scheme is symmetric and per-token
+    /// with groups inside a head, of a width the table has, with
+    /// [`Rounding::Ggml`] exactly for [`Levels::Iq4Nl`] (whose scales may be
+    /// negative) and `iq4_nl`'s blocks of 32 with f16 scales.
+    pub fn new(layout: Layout, levels: Levels) -> Result<Self> {
+        let op = "CodebookCodec::new";
+        let s = *layout.scheme();
+        let bad = |what: String| Err(Error::InvalidConfig { op, what });
+        let Some(t) = levels.table(s.bits()) else {
+            return bad(format!(
+                "the {} codebook has no {}-bit table",
+                levels.name(),
+                s.bits()
+            ));
+        };
+        if s.axis() != Axis::PerToken || s.mode() != Mode::Symmetric {
+            return bad(format!(
+                "a codebook takes a symmetric per-token scheme, not {}",
+                s.label()
+            ));
+        }
+        if matches!(s.group(), Group::Vector) {
+            return bad("a codebook's groups lie inside a head, not across the vector".into());
+        }
+        let ggml = s.rounding() == Rounding::Ggml;
+        if (levels == Levels::Iq4Nl) != ggml {
+            return bad(format!(
+                "{} {} ggml rounding",
+                levels.name(),
+                if ggml { "does not take" } else { "needs" }
+            ));
+        }
+        let mut table = [0.0; 16];
+        table[..t.len()].copy_from_slice(t);
+        Ok(CodebookCodec {
+            layout,
+            levels,
+            table,
+            n: t.len(),
+        })
+    }
+
+    /// The levels.
+    pub fn levels(&self) -> Levels {
+        self.levels
+    }
+
+    fn levels_table(&self) -> &[f32] {
+        &self.table[..self.n]
+    }
+
+    /// Largest `|x|` below which no group's scale can overflow the format:
+    /// every scale is within 8× the group's absmax (iq4_nl: `≈ absmax/127`,
+    /// NF4: the absmax, Gauss: a least-squares fit over levels ≥ 0.128).
+    fn safe_abs(&self) -> f32 {
+        let top = match self.layout.scheme().scale_format() {
+            ScaleFormat::F16 => 65504.0,
+            ScaleFormat::Bf16 => half::bf16::MAX.to_f32(),
+            ScaleFormat::F32 => f32::MAX,
+        };
+        top / 16.0
+    }
+}
+
+impl KvCodec for CodebookCodec {
+    fn spec(&self) -> Codec {
+        Codec::codebook(*self.layout.scheme(), self.levels)
+    }
+
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    fn check(
+        &self,
+        op: &'static str,
+        rows: &[f32],
+        abs_max: f32,
+        _first: usize,
+        token0: usize,
+        _pend: &mut Pending,
+    ) -> Result<()> {
+        if abs_max <= self.safe_abs() {
+            return Ok(());
+        }
+        let l = &self.layout;
+        let (hd, cpg) = (l.head_dim(), l.channels_per_group());
+        let fmt = l.scheme().scale_format();
+        let mut codes = vec![0u8; cpg];
+        for (i, row) in rows.chunks_exact(l.n_kv_heads() * hd).enumerate() {
+            for (k, g) in row.chunks_exact(cpg).enumerate() {
+                encode_group(self.levels, self.levels_table(), fmt, g, &mut codes).map_err(
+                    |value| Error::ScaleOverflow {
+                        op,
+                        what: "scale",
+                        value,
+                        format: fmt.name(),
+                        token: token0 + i,
+                        head: k * cpg / hd,
+                        group: k * cpg % hd / cpg,
+                    },
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn encode_token(
+        &self,
+        _backend: Backend,
+        row: &[f32],
+        token: usize,
+        codes: &mut [u8],
+        params: &mut [u8],
+    ) -> Result<()> {
+        let l = &self.layout;
+        let s = l.scheme();
+        let fmt = s.scale_format();
+        let fb = fmt.bytes();
+        let (hd, cpg, gpr, rb) = (
+            l.head_dim(),
+            l.channels_per_group(),
+            l.groups_per_row(),
+            l.row_bytes(),
+        );
+        let mut tmp = vec![0u8; hd];
+        for h in 0..l.n_kv_heads() {
+            for g in 0..gpr {
+                let x = &row[h * hd + g * cpg..][..cpg];
+                let d = encode_group(
+                    self.levels,
+                    self.levels_table(),
+                    fmt,
+                    x,
+                    &mut tmp[g * cpg..(g + 1) * cpg],
+                )
+                .map_err(|value| Error::ScaleOverflow {
+                    op: "quantize",
+                    what: "scale",
+                    value,
+                    format: fmt.name(),
+                    token,
+                    head: h,
+                    group: g,
+                })?;
+                fmt.write(d, &mut params[(h * gpr + g) * fb..]);
+            }
+            crate::pack::pack(&tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
+        }
+        Ok(())
+    }
+
+    fn encode_block(
+        &self,
+        _backend: Backend,
+        _rows: &[f32],
+        _tokens: usize,
+        _head: usize,
+        _token0: usize,
+        _codes: &mut [u8],
+        _params: &mut [u8],
+    ) -> Result<()> {
+        Err(Error::InvalidConfig {
+            op: "CodebookCodec::encode_block",
+            what: "a codebook format is per-token".into(),
+        })
+    }
+
+    fn scores(
+        &self,
+        backend: Backend,
+        head: &PackedHead<'_>,
+        q: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        kernels::codebook::scores_on(backend, head, &self.table, q, out)
+    }
+
+    fn weighted_sum(
+        &self,
+        backend: Backend,
+        head: &PackedHead<'_>,
+        p: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        kernels::codebook::weighted_sum_on(backend, head, &self.table, p, out)
+    }
+
+    fn decode(&self, head: &PackedHead<'_>, out: &mut [f32]) {
+        kernels::codebook::decode(head, &self.table, out);
+    }
+}
