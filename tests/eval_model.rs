@@ -1476,3 +1476,33 @@ fn k_quant_and_q5_dequantizers_on_hand_built_blocks() {
         assert_eq!(x, want, "Q6_K value {v}");
     }
 }
+
+/// Every configuration of every sweep grid builds a cache for SmolLM2's
+/// and Gemma 3's head shapes, with unique names, the baseline first.
+#[test]
+fn every_sweep_grid_builds() {
+    use kvq_eval::kvq_store::KvqStore;
+    use kvq_eval::programs::sweep::{grid, GridKind};
+    for kind in [
+        GridKind::Default,
+        GridKind::Full,
+        GridKind::Split,
+        GridKind::Ladder,
+        GridKind::Trap,
+        GridKind::Codebook,
+    ] {
+        let g = grid(kind, 0, 0);
+        assert!(g[0].is_baseline(), "{kind:?}");
+        let mut names: Vec<_> = g.iter().map(|c| c.name.clone()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), g.len(), "{kind:?}: duplicate names");
+        for c in &g {
+            for (n_kv, hd) in [(3, 64), (1, 256)] {
+                let (spec, _) = c.store_and_hook();
+                KvqStore::new(2, n_kv, hd, spec)
+                    .unwrap_or_else(|e| panic!("{kind:?} {}: {e}", c.name));
+            }
+        }
+    }
+}

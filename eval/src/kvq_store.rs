@@ -3,7 +3,7 @@
 //! `v_proj` values), and attention runs on the fused kernels.
 
 use crate::model::{KvStore, RoundTrip};
-use kvq::{CacheConfig, Codec, KvCache, QuantScheme, Rotation};
+use kvq::{CacheConfig, Codec, KvCache, Levels, QuantScheme, Rotation};
 
 /// A codec's quantize-dequantize round trip, for [`crate::model::Hooks`]:
 /// quantizes keys at another point of the layer than the cache's.
@@ -46,6 +46,11 @@ pub struct CacheSpec {
     /// Attention through the opt-in int8 kernels
     /// ([`CacheConfig::int8_kernels`]).
     pub int8: bool,
+    /// A codebook on the key scheme's storage ([`Codec::codebook`];
+    /// `None`: the uniform grid).
+    pub key_levels: Option<Levels>,
+    /// A codebook on the value scheme's storage.
+    pub value_levels: Option<Levels>,
 }
 
 impl CacheSpec {
@@ -58,18 +63,27 @@ impl CacheSpec {
         key_rotation: Rotation::None,
         value_rotation: Rotation::None,
         int8: false,
+        key_levels: None,
+        value_levels: None,
     };
 
     /// The key codec (`None`: full precision).
     pub fn key_codec(&self) -> Option<Codec> {
         self.keys
-            .map(|s| Codec::uniform(s).with_rotation(self.key_rotation))
+            .map(|s| codec(s, self.key_levels).with_rotation(self.key_rotation))
     }
 
     /// The value codec (`None`: full precision).
     pub fn value_codec(&self) -> Option<Codec> {
         self.values
-            .map(|s| Codec::uniform(s).with_rotation(self.value_rotation))
+            .map(|s| codec(s, self.value_levels).with_rotation(self.value_rotation))
+    }
+}
+
+fn codec(s: QuantScheme, levels: Option<Levels>) -> Codec {
+    match levels {
+        None => Codec::uniform(s),
+        Some(l) => Codec::codebook(s, l),
     }
 }
 

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example sweep -- [--model smollm2|gemma|PATH]
-//!     [--grid default|full|split|ladder|trap] [--full] [--tokens N] [--window 512]
+//!     [--grid default|full|split|ladder|trap|codebook] [--full] [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
 //!     [--out results] [--no-fetch] [--only SUBSTR,SUBSTR]
 //! ```
@@ -13,7 +13,9 @@
 //! group), `split` (the K/V bit split at equal budgets, 3–8 effective
 //! bits), `ladder` (granularity at 4 bits), `trap` (keys alone quantized
 //! after `k_proj`, after `k_norm` and in the cache, after RoPE: the
-//! measurement-point trap of a model with `k_norm`).
+//! measurement-point trap of a model with `k_norm`), `codebook` (the
+//! codebook codecs — `iq4_nl`, NF4, Lloyd-Max — plain and rotated, beside
+//! the uniform grids of the same and half a bit more).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
 //! (pip + apt, checked by sha256). For every domain and configuration it
@@ -36,7 +38,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use kvq::{Axis, Codec, Group, QuantScheme, Rotation};
+use kvq::{Axis, Codec, Group, Levels, QuantScheme, Rotation};
 use serde::Serialize;
 
 use crate::capture::Capture;
@@ -67,7 +69,7 @@ pub struct Args {
     /// The grid of caches (see the module docs).
     #[arg(
         long,
-        value_name = "default|full|split|ladder|trap",
+        value_name = "default|full|split|ladder|trap|codebook",
         default_value = "default"
     )]
     pub grid: GridKind,
@@ -148,6 +150,8 @@ pub enum GridKind {
     /// Keys alone at 2–8 bits (per-token head and 32 groups), quantized
     /// after `k_proj`, after `k_norm` and after RoPE.
     Trap,
+    /// The codebook codecs, plain and rotated, with uniform references.
+    Codebook,
 }
 
 impl std::str::FromStr for GridKind {
@@ -159,8 +163,9 @@ impl std::str::FromStr for GridKind {
             "split" => Ok(GridKind::Split),
             "ladder" => Ok(GridKind::Ladder),
             "trap" => Ok(GridKind::Trap),
+            "codebook" => Ok(GridKind::Codebook),
             _ => Err(format!(
-                "unknown grid {s:?} (default, full, split, ladder, trap)"
+                "unknown grid {s:?} (default, full, split, ladder, trap, codebook)"
             )),
         }
     }
@@ -219,6 +224,8 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
             key_rotation: Rotation::None,
             value_rotation: Rotation::None,
             int8: false,
+            key_levels: None,
+            value_levels: None,
         },
     };
     let rotated = |mut c: Config| {
@@ -270,6 +277,59 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
                 Some(pc(4, Group::Size(32))),
                 Some(pt(4, Group::Size(32))),
             ));
+            return g;
+        }
+        GridKind::Codebook => {
+            let g32 = Group::Size(32);
+            let sym = |b| {
+                pt(b, g32)
+                    .with_mode(kvq::Mode::Symmetric)
+                    .expect("symmetric grid schemes are valid")
+            };
+            // (name, key scheme and levels, value scheme and levels)
+            let cb =
+                |name: &str, k: (QuantScheme, Option<Levels>), v: (QuantScheme, Option<Levels>)| {
+                    let mut c = mk(name.into(), Some(k.0), Some(v.0));
+                    c.spec.key_levels = k.1;
+                    c.spec.value_levels = v.1;
+                    c
+                };
+            let q4_0 = kvq::presets::q4_0();
+            let iq4 = (q4_0, Some(Levels::Iq4Nl));
+            let nf4 = (sym(4), Some(Levels::Nf4));
+            let (ga4, ga3, ga2) = (
+                (sym(4), Some(Levels::Gauss)),
+                (sym(3), Some(Levels::Gauss)),
+                (sym(2), Some(Levels::Gauss)),
+            );
+            // Uniform references: 5.0 bits, 4.5 (ggml q4_0), 4.0.
+            g.push(mk(
+                "K4/V4 KIVI pc32/pt32".into(),
+                Some(pc(4, g32)),
+                Some(pt(4, g32)),
+            ));
+            g.push(rotated(mk(
+                "K4/V4 pt32".into(),
+                Some(pt(4, g32)),
+                Some(pt(4, g32)),
+            )));
+            g.push(mk("K/V q4_0".into(), Some(q4_0), Some(q4_0)));
+            g.push(rotated(mk("K/V q4_0".into(), Some(q4_0), Some(q4_0))));
+            g.push(rotated(mk(
+                "K3/V3 pt32".into(),
+                Some(pt(3, g32)),
+                Some(pt(3, g32)),
+            )));
+            // Codebooks at 4.5 bits, plain and rotated.
+            for (name, l) in [("iq4_nl", iq4), ("nf4", nf4), ("gauss4", ga4)] {
+                g.push(cb(&format!("K/V {name}"), l, l));
+                g.push(rotated(cb(&format!("K/V {name}"), l, l)));
+            }
+            // Lloyd-Max below 4.5 bits, rotated.
+            g.push(rotated(cb("K gauss4/V gauss3", ga4, ga3)));
+            g.push(rotated(cb("K/V gauss3", ga3, ga3)));
+            g.push(rotated(cb("K gauss3/V gauss2", ga3, ga2)));
+            g.push(rotated(cb("K/V gauss2", ga2, ga2)));
             return g;
         }
         GridKind::Trap => {
