@@ -71,6 +71,20 @@ fn caches() -> Vec<Vec<u8>> {
         CacheConfig::new(1, 16)
             .keys(QuantScheme::new(2, Axis::PerChannel, Group::Size(8)).unwrap())
             .softmax_scale(0.5),
+        // Codebooks: iq4_nl keys, rotated Lloyd-Max values.
+        CacheConfig::new(1, 32)
+            .key_codec(presets::iq4_nl())
+            .value_codec(
+                Codec::codebook(
+                    QuantScheme::new(3, Axis::PerToken, Group::Size(16))
+                        .unwrap()
+                        .with_mode(kvq::Mode::Symmetric)
+                        .unwrap(),
+                    kvq::Levels::Gauss,
+                )
+                .with_rotation(kvq::Rotation::Hadamard),
+            )
+            .residual(2),
     ];
     let mut out = Vec::new();
     for (i, &cfg) in cfgs.iter().enumerate() {

@@ -6,8 +6,8 @@
 
 use crate::input::Choices;
 use kvq::{
-    Axis, Backend, CacheConfig, Codec, Group, KvCache, KvQuantizer, LayerCache, Mode, PackedBlock,
-    QuantScheme, Rotation, Rounding, ScaleFormat, UniformQuantizer,
+    Axis, Backend, CacheConfig, Codec, Group, KvCache, KvQuantizer, LayerCache, Levels, Mode,
+    PackedBlock, QuantScheme, Rotation, Rounding, ScaleFormat, UniformQuantizer,
 };
 use kvq_eval::gguf::Gguf;
 
@@ -94,11 +94,22 @@ fn codec(c: &mut Choices) -> Option<Codec> {
         _ => {
             let s = scheme(c).ok()?;
             Some(
-                Codec::uniform(s)
+                levels(c, s)
                     .with_rotation(c.pick(&[Rotation::None, Rotation::Hadamard]))
                     .with_int8_kernels(c.u8() > 200),
             )
         }
+    }
+}
+
+/// The uniform grid of `s` or, one time in three, a codebook on its
+/// storage (which the cache rejects unless `s` fits it).
+fn levels(c: &mut Choices, s: QuantScheme) -> Codec {
+    match c.below(6) {
+        0 => Codec::codebook(s, Levels::Iq4Nl),
+        1 => Codec::codebook(s, Levels::Nf4),
+        2 => Codec::codebook(s, Levels::Gauss),
+        _ => Codec::uniform(s),
     }
 }
 
@@ -179,8 +190,8 @@ fn ops(x: &[u8]) -> String {
     let s2 = scheme(&mut c).ok();
     let rot = c.pick(&[Rotation::None, Rotation::Hadamard]);
     let cfg = CacheConfig::new(n_kv, hd)
-        .key_codec(s.map(|s| Codec::uniform(s).with_rotation(rot)))
-        .value_codec(s2.map(Codec::uniform))
+        .key_codec(s.map(|s| levels(&mut c, s).with_rotation(rot)))
+        .value_codec(s2.map(|s| levels(&mut c, s)))
         .residual(c.pick(&[0, 1, 5, 16, usize::MAX]))
         .sinks(c.pick(&[0, 1, 4]))
         .backend(backend(&mut c))
