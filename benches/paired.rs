@@ -40,8 +40,9 @@
 //!
 //! Beside the kernel loop, the `cache …` cases call `LayerCache::attend`
 //! on a cache built by `extend` (what an engine calls; its own two threads
-//! across heads), KIVI-4 without and with a residual window and sinks, and
-//! rotated 4-bit per-token K/V.
+//! across heads), KIVI-4 without and with a residual window and sinks,
+//! rotated 4-bit per-token K/V, and the codebooks: `iq4_nl`, rotated
+//! Lloyd-Max at 4 and 3 bits.
 //!
 //! Same shape as criterion's `attend/hd128/q{N}`: 8 KV heads, head_dim
 //! 128, two threads across heads, each case's layer copied until the
@@ -170,7 +171,12 @@ fn main() {
                     .collect();
                 let mut t = times[c].clone();
                 let (min, med) = (quantile(&mut t, 0.0), quantile(&mut t, 0.5));
-                let gbs = bytes_of(name, ctx, hd) as f64 / med / 1e6;
+                // A cache counts its own bytes (codebooks store no zeros).
+                let bytes = match name.starts_with("cache ") {
+                    true => cases[c].1[0].bytes(),
+                    false => bytes_of(name, ctx, hd),
+                };
+                let gbs = bytes as f64 / med / 1e6;
                 println!(
                     "| {name} | {min:.2} | {med:.2} | {gbs:.1} | **{:.2}x** | {:.2}–{:.2}x | {:.2}x |",
                     quantile(&mut ratios, 0.5),

@@ -350,7 +350,30 @@ pub fn cache_cases<'a>(
                 build(base().key_codec(h).value_codec(h))
             }),
         ),
+        (
+            "cache 4b-iq4nl".into(),
+            Box::new(move || {
+                let c = kvq::presets::iq4_nl();
+                build(base().key_codec(c).value_codec(c))
+            }),
+        ),
+        (
+            "cache 4b-H-gauss".into(),
+            Box::new(move || build(base().key_codec(gauss(4)).value_codec(gauss(4)))),
+        ),
+        (
+            "cache 3b-H-gauss".into(),
+            Box::new(move || build(base().key_codec(gauss(3)).value_codec(gauss(3)))),
+        ),
     ]
+}
+
+/// Lloyd-Max levels at `bits` on symmetric per-token groups of 32, rotated.
+fn gauss(bits: u8) -> kvq::Codec {
+    let s = QuantScheme::new(bits, Axis::PerToken, Group::Size(32))
+        .and_then(|s| s.with_mode(kvq::Mode::Symmetric))
+        .expect("a valid scheme");
+    kvq::Codec::codebook(s, kvq::Levels::Gauss).with_rotation(kvq::Rotation::Hadamard)
 }
 
 /// `COLD_BYTES` worth of copies of `first` (at least one, at most 64).
