@@ -710,6 +710,7 @@ fn small_grid() -> SchemeGrid {
         groups: vec![Group::Size(32), Group::Head],
         modes: vec![Mode::Asymmetric],
         scale_formats: vec![ScaleFormat::F16],
+        ..SchemeGrid::default()
     }
 }
 
@@ -743,17 +744,103 @@ fn planner_ranks_and_fronts() {
     }
     // On this data keys want per-channel, values per-token.
     let best = plan.best();
-    assert_eq!(best.keys.axis(), Axis::PerChannel, "{}", best.label());
-    assert_eq!(best.values.axis(), Axis::PerToken, "{}", best.label());
+    assert_eq!(
+        best.keys.scheme().axis(),
+        Axis::PerChannel,
+        "{}",
+        best.label()
+    );
+    assert_eq!(
+        best.values.scheme().axis(),
+        Axis::PerToken,
+        "{}",
+        best.label()
+    );
     println!("best at 4.5 bits: {} ({:.4})", best.label(), best.score);
 
     // The best pair's errors equal what the metrics module says (with
     // every query position).
-    let kq = UniformQuantizer::new(best.keys, 2, 64).unwrap();
-    let vq = UniformQuantizer::new(best.values, 2, 64).unwrap();
+    let kq = UniformQuantizer::new(best.keys.scheme(), 2, 64).unwrap();
+    let vq = UniformQuantizer::new(best.values.scheme(), 2, 64).unwrap();
     let m = model_errors(&caps, &kq, &vq, &MetricsConfig::new()).unwrap();
     assert!((m.summary.mean.output_rel - best.score).abs() < 1e-12);
     assert_eq!(m.summary.count, best.errors.count);
+}
+
+/// Codecs in the search space: codebooks and rotations beside the uniform
+/// grid, each pair scored as the metrics module scores its round trip.
+#[test]
+fn planner_ranks_codecs() {
+    use kvq::{Levels, Rotation};
+    let shape = AttnShape::new(4, 2, 64).unwrap();
+    let caps = synthetic_captures(2, shape, 128, 16, 17);
+    let grid = SchemeGrid {
+        bits: vec![2, 3, 4],
+        axes: vec![Axis::PerToken, Axis::PerChannel],
+        groups: vec![Group::Size(32)],
+        modes: vec![Mode::Asymmetric, Mode::Symmetric],
+        scale_formats: vec![ScaleFormat::F16],
+        levels: vec![None, Some(Levels::Gauss), Some(Levels::Nf4)],
+        rotations: vec![Rotation::None, Rotation::Hadamard],
+    };
+    let codecs = grid.codecs();
+    // Uniform: 3 bits x 2 axes x 2 modes x 2 rotations = 24; Lloyd-Max on
+    // the 3 symmetric per-token schemes, NF4 on the 4-bit one, x 2 rotations.
+    assert_eq!(codecs.len(), 24 + 2 * (3 + 1), "{codecs:?}");
+    assert!(codecs.iter().all(|c| c.build(2, 64).is_ok()));
+    let planner = Planner::from_grid(&grid).unwrap().with_max_queries(16);
+    assert_eq!(planner.key_codecs(), &codecs[..]);
+    let plan = planner.plan(&caps, 4.5).unwrap();
+    assert!(plan.skipped.is_empty(), "{:?}", plan.skipped);
+    assert!(plan
+        .ranked
+        .iter()
+        .any(|c| c.keys.levels().is_some() && c.values.levels().is_some()));
+    // A codebook pair at 4.5 bits: Lloyd-Max (4-bit, scale only).
+    let cb = plan
+        .ranked
+        .iter()
+        .find(|c| {
+            c.keys.levels() == Some(Levels::Gauss) && c.values.levels() == Some(Levels::Gauss)
+        })
+        .unwrap();
+    assert!(cb.effective_bits <= 4.5 + 1e-12);
+    println!(
+        "best at 4.5 bits: {} ({:.4})",
+        plan.best().label(),
+        plan.best().score
+    );
+    // The best pair's and the codebook pair's scores are what the metrics
+    // module says of their round trips (every query position).
+    for c in [plan.best(), cb] {
+        if !c.exact {
+            continue;
+        }
+        let mut sum = 0.0;
+        for cap in &caps {
+            let (nkv, hd) = (shape.n_kv_heads(), shape.head_dim());
+            let kh = c.keys.roundtrip(cap.k(), nkv, hd).unwrap();
+            let vh = c.values.roundtrip(cap.v(), nkv, hd).unwrap();
+            let e = kvq::metrics::layer_errors(
+                shape,
+                cap.q(),
+                cap.k(),
+                cap.v(),
+                &kh,
+                &vh,
+                &MetricsConfig::new(),
+            )
+            .unwrap();
+            sum += e.summary.mean.output_rel;
+        }
+        let mean = sum / caps.len() as f64;
+        assert!(
+            (mean - c.score).abs() < 1e-9 * (1.0 + mean),
+            "{}: {mean} vs {}",
+            c.label(),
+            c.score
+        );
+    }
 }
 
 #[test]
@@ -853,11 +940,11 @@ fn planner_rejects_bad_input_and_skips_misfits() {
     let caps = synthetic_captures(1, shape, 64, 4, 1);
     let s4 = QuantScheme::new(4, Axis::PerToken, Group::Head).unwrap();
     assert!(matches!(
-        Planner::new(vec![], vec![s4]),
+        Planner::new(Vec::<QuantScheme>::new(), vec![s4]),
         Err(Error::InvalidArgument { .. })
     ));
     assert!(matches!(
-        Planner::new(vec![s4], vec![]),
+        Planner::new(vec![s4], Vec::<QuantScheme>::new()),
         Err(Error::InvalidArgument { .. })
     ));
     let empty_grid = SchemeGrid {
@@ -905,7 +992,7 @@ fn planner_rejects_bad_input_and_skips_misfits() {
     let p = Planner::new(vec![s4], vec![s4, s4f32]).unwrap();
     let plan = p.plan(&[huge], 6.0).unwrap();
     assert_eq!(plan.ranked.len(), 1);
-    assert_eq!(plan.ranked[0].values, s4f32);
+    assert_eq!(plan.ranked[0].values, s4f32.into());
     assert!(matches!(
         plan.skipped[0].reason,
         Error::ScaleOverflow { .. }

@@ -20,7 +20,7 @@ use crate::metrics::{
     assemble, head_rows, matmul_nn, ratio, rows_err, Attention, AttentionErrors, ErrorSummary,
     KeyStats, LayerCapture, MetricsConfig, QueryGroup, Recon,
 };
-use crate::quant::{KvQuantizer, UniformQuantizer};
+use crate::quant::{Codec, Levels, Rotation};
 use crate::scheme::{Axis, Group, Layout, Mode, QuantScheme, ScaleFormat};
 
 /// Bytes in a (decimal) gigabyte, the unit of the study's memory figures.
@@ -52,8 +52,8 @@ mod tests {
     fn pareto_is_strictly_improving() {
         let s = QuantScheme::new(4, Axis::PerToken, Group::Head).unwrap();
         let c = |b: f64, sc: f64| Candidate {
-            keys: s,
-            values: s,
+            keys: s.into(),
+            values: s.into(),
             effective_bits: b,
             score: sc,
             errors: ErrorSummary::default(),

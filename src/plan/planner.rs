@@ -34,13 +34,14 @@ impl Objective {
     }
 }
 
-/// A grid of candidate schemes: every combination of its lists.
+/// A grid of candidate formats: every combination of its lists.
 ///
 /// Groups follow the axis ([`Group`]): per-token `Size(n)` is `n` channels,
 /// per-channel `Size(n)` is `n` tokens. Combinations that are not a valid
 /// [`QuantScheme`] (per-channel with `Group::Head`/`Group::Vector`,
-/// symmetric 1-bit) are left out; schemes that do not fit a capture's shape
-/// are reported in [`Plan::skipped`].
+/// symmetric 1-bit) or codec (a codebook on a scheme it does not take, see
+/// [`Codec::codebook`]) are left out; formats that do not fit a capture's
+/// shape are reported in [`Plan::skipped`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchemeGrid {
     /// Bits per code.
@@ -53,11 +54,16 @@ pub struct SchemeGrid {
     pub modes: Vec<Mode>,
     /// Formats of scales and zeros.
     pub scale_formats: Vec<ScaleFormat>,
+    /// Tables: `None` for the uniform grid, or a codebook
+    /// ([`Levels`]) on the scheme's storage.
+    pub levels: Vec<Option<Levels>>,
+    /// Rotations around each format.
+    pub rotations: Vec<Rotation>,
 }
 
 impl Default for SchemeGrid {
     /// Bits 2, 3, 4, 5, 6, 8; both axes; groups of 32, 64 and a head;
-    /// asymmetric; f16 scales. 30 schemes.
+    /// asymmetric; f16 scales; the uniform grid, unrotated. 30 schemes.
     fn default() -> Self {
         SchemeGrid {
             bits: vec![2, 3, 4, 5, 6, 8],
@@ -65,6 +71,8 @@ impl Default for SchemeGrid {
             groups: vec![Group::Size(32), Group::Size(64), Group::Head],
             modes: vec![Mode::Asymmetric],
             scale_formats: vec![ScaleFormat::F16],
+            levels: vec![None],
+            rotations: vec![Rotation::None],
         }
     }
 }
@@ -92,15 +100,46 @@ impl SchemeGrid {
         }
         out
     }
+
+    /// Every valid codec of the grid: each scheme of
+    /// [`schemes`](Self::schemes) with each table of `levels` it takes and
+    /// each rotation, in that order, without duplicates. Whether a codebook
+    /// takes a scheme does not depend on the layer's shape, so it is
+    /// checked here on one head of 256 channels.
+    pub fn codecs(&self) -> Vec<Codec> {
+        let mut out: Vec<Codec> = Vec::new();
+        for s in self.schemes() {
+            for &l in &self.levels {
+                for &r in &self.rotations {
+                    let c = match l {
+                        None => Codec::uniform(s),
+                        Some(l) => Codec::codebook(s, l),
+                    }
+                    .with_rotation(r);
+                    let valid = match c.build(1, 256) {
+                        Ok(_) => true,
+                        Err(Error::InvalidConfig { .. }) => false,
+                        // A shape this head does not take: the planner
+                        // reports it against the captures' shapes.
+                        Err(_) => true,
+                    };
+                    if valid && !out.contains(&c) {
+                        out.push(c);
+                    }
+                }
+            }
+        }
+        out
+    }
 }
 
 /// One key/value pair scored by a [`Planner`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
-    /// Scheme of the keys.
-    pub keys: QuantScheme,
-    /// Scheme of the values.
-    pub values: QuantScheme,
+    /// Format of the keys.
+    pub keys: Codec,
+    /// Format of the values.
+    pub values: Codec,
     /// `(effective bits of K + of V) / 2`, averaged over layers weighted by
     /// their `n_kv_heads·head_dim` (per layer, for a per-layer plan).
     pub effective_bits: f64,
@@ -130,11 +169,11 @@ pub enum Role {
     Values,
 }
 
-/// A candidate scheme left out, and why.
+/// A candidate format left out, and why.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Skipped {
-    /// The scheme.
-    pub scheme: QuantScheme,
+    /// The format.
+    pub codec: Codec,
     /// Keys or values.
     pub role: Role,
     /// The error that ruled it out (does not fit a layer's shape, a scale
@@ -255,6 +294,7 @@ pub struct LayerPlan {
 ///     groups: vec![Group::Size(32)],
 ///     modes: vec![Mode::Asymmetric],
 ///     scale_formats: vec![ScaleFormat::F16],
+///     ..SchemeGrid::default()
 /// };
 /// let plan = Planner::from_grid(&grid)?.plan(&captures, 5.5)?;
 /// let front = &plan.pareto;
@@ -270,8 +310,8 @@ pub struct LayerPlan {
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct Planner {
-    keys: Vec<QuantScheme>,
-    values: Vec<QuantScheme>,
+    keys: Vec<Codec>,
+    values: Vec<Codec>,
     objective: Objective,
     metrics: MetricsConfig,
     max_queries: usize,
@@ -280,22 +320,30 @@ pub struct Planner {
 }
 
 impl Planner {
-    /// A planner choosing among these key and value schemes (duplicates are
-    /// dropped).
+    /// A planner choosing among these key and value formats — schemes
+    /// (the uniform grid) or any [`Codec`] (duplicates are dropped).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when either list is empty.
-    pub fn new(keys: Vec<QuantScheme>, values: Vec<QuantScheme>) -> Result<Self> {
-        let dedup = |v: Vec<QuantScheme>| {
-            let mut out: Vec<QuantScheme> = Vec::with_capacity(v.len());
+    pub fn new<K, V>(
+        keys: impl IntoIterator<Item = K>,
+        values: impl IntoIterator<Item = V>,
+    ) -> Result<Self>
+    where
+        K: Into<Codec>,
+        V: Into<Codec>,
+    {
+        fn dedup(v: impl Iterator<Item = Codec>) -> Vec<Codec> {
+            let mut out: Vec<Codec> = Vec::new();
             for s in v {
                 if !out.contains(&s) {
                     out.push(s);
                 }
             }
             out
-        };
-        let (keys, values) = (dedup(keys), dedup(values));
+        }
+        let keys = dedup(keys.into_iter().map(Into::into));
+        let values = dedup(values.into_iter().map(Into::into));
         for (list, name) in [(&keys, "key"), (&values, "value")] {
             if list.is_empty() {
                 return Err(Error::InvalidArgument {
@@ -315,12 +363,12 @@ impl Planner {
         })
     }
 
-    /// A planner with the grid's schemes for both keys and values.
+    /// A planner with the grid's codecs for both keys and values.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the grid has no valid scheme.
+    /// [`Error::InvalidArgument`] when the grid has no valid codec.
     pub fn from_grid(grid: &SchemeGrid) -> Result<Self> {
-        let s = grid.schemes();
+        let s = grid.codecs();
         Self::new(s.clone(), s)
     }
 
@@ -353,12 +401,12 @@ impl Planner {
         self
     }
 
-    /// Candidate key schemes.
-    pub fn key_schemes(&self) -> &[QuantScheme] {
+    /// Candidate key formats.
+    pub fn key_codecs(&self) -> &[Codec] {
         &self.keys
     }
-    /// Candidate value schemes.
-    pub fn value_schemes(&self) -> &[QuantScheme] {
+    /// Candidate value formats.
+    pub fn value_codecs(&self) -> &[Codec] {
         &self.values
     }
 
@@ -690,21 +738,21 @@ impl Planner {
             });
         }
         let mut skipped = Vec::new();
-        let mut filter = |list: &[QuantScheme], role: Role| -> Vec<QuantScheme> {
+        let mut filter = |list: &[Codec], role: Role| -> Vec<Codec> {
             let mut out = Vec::new();
-            'scheme: for &s in list {
+            'codec: for &c in list {
                 for cap in captures {
                     let sh = cap.shape();
-                    if let Err(e) = s.layout(sh.n_kv_heads(), sh.head_dim()) {
+                    if let Err(e) = c.build(sh.n_kv_heads(), sh.head_dim()) {
                         skipped.push(Skipped {
-                            scheme: s,
+                            codec: c,
                             role,
                             reason: e,
                         });
-                        continue 'scheme;
+                        continue 'codec;
                     }
                 }
-                out.push(s);
+                out.push(c);
             }
             out
         };
@@ -722,12 +770,13 @@ impl Planner {
             .iter()
             .map(|c| (c.shape().n_kv_heads() * c.shape().head_dim()) as f64)
             .collect();
-        let bits_of = |s: &QuantScheme| -> Vec<f64> {
+        let bits_of = |s: &Codec| -> Vec<f64> {
             captures
                 .iter()
                 .map(|c| {
                     let sh = c.shape();
-                    s.layout(sh.n_kv_heads(), sh.head_dim())
+                    s.scheme()
+                        .layout(sh.n_kv_heads(), sh.head_dim())
                         .map(|l| l.effective_bits())
                         .expect("filtered above")
                 })
@@ -866,9 +915,9 @@ pub(super) struct Job<'a> {
 
 pub(super) struct Setup<'a> {
     jobs: Vec<Job<'a>>,
-    keys: Vec<QuantScheme>,
-    values: Vec<QuantScheme>,
-    /// `[scheme][layer]` effective bits.
+    keys: Vec<Codec>,
+    values: Vec<Codec>,
+    /// `[codec][layer]` effective bits.
     key_bits: Vec<Vec<f64>>,
     value_bits: Vec<Vec<f64>>,
     /// `n_kv_heads·head_dim` per layer.
@@ -907,7 +956,7 @@ impl Setup<'_> {
                 if !bad_k[*i] {
                     bad_k[*i] = true;
                     skipped.push(Skipped {
-                        scheme: self.keys[*i],
+                        codec: self.keys[*i],
                         role: Role::Keys,
                         reason: e.clone(),
                     });
@@ -917,7 +966,7 @@ impl Setup<'_> {
                 if !bad_v[*i] {
                     bad_v[*i] = true;
                     skipped.push(Skipped {
-                        scheme: self.values[*i],
+                        codec: self.values[*i],
                         role: Role::Values,
                         reason: e.clone(),
                     });
@@ -1004,8 +1053,7 @@ pub(super) fn score_layer(
     let mut failed_values = Vec::new();
     let mut kside: Vec<Option<KeyEntry>> = (0..setup.keys.len()).map(|_| None).collect();
     for &ki in &used_k {
-        let quantized = UniformQuantizer::new(setup.keys[ki], nkv, hd)
-            .and_then(|q| q.roundtrip(cap.k(), tokens));
+        let quantized = setup.keys[ki].roundtrip(cap.k(), nkv, hd);
         let k_hat = match quantized {
             Ok(x) => x,
             Err(e) => {
@@ -1038,8 +1086,7 @@ pub(super) fn score_layer(
     }
     let mut vside: Vec<Option<ValueEntry>> = (0..setup.values.len()).map(|_| None).collect();
     for &vi in &used_v {
-        let quantized = UniformQuantizer::new(setup.values[vi], nkv, hd)
-            .and_then(|q| q.roundtrip(cap.v(), tokens));
+        let quantized = setup.values[vi].roundtrip(cap.v(), nkv, hd);
         let v_hat = match quantized {
             Ok(x) => x,
             Err(e) => {

@@ -1,7 +1,7 @@
 //! Codebook formats: each code indexes a fixed table of levels, times one
 //! scale per group, `x̂ = scale·level[code]`.
 //!
-//! The storage is that of a symmetric per-token [`QuantScheme`] — packed
+//! The storage is that of a symmetric per-token [`QuantScheme`](crate::QuantScheme) — packed
 //! codes of `bits` bits and one scale per group, nothing else — so the
 //! accounting ([`Layout`]) is the uniform grid's; only the meaning of a code
 //! differs. Three tables ([`Levels`]):
