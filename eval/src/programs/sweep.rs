@@ -330,6 +330,12 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
             g.push(rotated(cb("K/V gauss3", ga3, ga3)));
             g.push(rotated(cb("K gauss3/V gauss2", ga3, ga2)));
             g.push(rotated(cb("K/V gauss2", ga2, ga2)));
+            // Per-channel keys (KIVI, unrotated) with rotated Lloyd-Max values.
+            for (name, kb, v) in [("gauss4", 4, ga4), ("gauss3", 4, ga3), ("gauss3", 3, ga3)] {
+                let mut c = cb(&format!("K{kb} pc32 / H·V {name}"), (pc(kb, g32), None), v);
+                c.spec.value_rotation = Rotation::Hadamard;
+                g.push(c);
+            }
             return g;
         }
         GridKind::Trap => {
