@@ -365,6 +365,10 @@ fn codebook_caches_attend_save_load_truncate_and_fork() {
             Codec::codebook(sym(3, g32), Levels::Gauss).with_rotation(Rotation::Hadamard),
             Codec::codebook(sym(4, g32), Levels::Nf4),
         ),
+        (
+            Codec::codebook(sym(8, Group::Head), Levels::E4m3),
+            Codec::codebook(sym(8, g32), Levels::E5m2),
+        ),
     ] {
         let cfg = CacheConfig::new(n_kv, hd).key_codec(kc).value_codec(vc);
         let mut c = LayerCache::new(cfg).unwrap();
@@ -515,4 +519,107 @@ fn iq4_nl_is_ggml_value_for_value() {
 
 fn f16_bits_inf(b: u16) -> bool {
     b & 0x7fff == 0x7c00
+}
+
+/// The fp8 bytes are the OCP encodings: every finite code decodes to the
+/// value its bit fields define, encoding a representable value gives its
+/// code back, midpoints go to the even code, and out-of-range values
+/// saturate at the largest finite one.
+#[test]
+fn fp8_bytes_are_the_standard_encodings() {
+    use kvq::quant::fp8::{Fp8, E4M3, E5M2};
+    let spec = |f: Fp8, man: u32, bias: i32, b: u8| -> Option<f64> {
+        let (s, e, m) = (
+            b >> 7,
+            (b >> man) & ((0x7f >> man) as u8),
+            b & ((1 << man) - 1),
+        );
+        let top = (0x7f >> man) as u8;
+        // e4m3fn: only S.1111.111 is NaN; e5m2: exponent 31 is inf/NaN.
+        if (man == 3 && e == top && m == (1 << man) - 1) || (man == 2 && e == top) {
+            return None;
+        }
+        let _ = f;
+        let frac = f64::from(m) / f64::from(1u32 << man);
+        let v = if e == 0 {
+            frac * 2f64.powi(1 - bias)
+        } else {
+            (1.0 + frac) * 2f64.powi(i32::from(e) - bias)
+        };
+        Some(if s == 1 { -v } else { v })
+    };
+    for (f, man, bias, max) in [(E4M3, 3u32, 7, 448.0f32), (E5M2, 2, 15, 57344.0)] {
+        assert_eq!(f.max, max);
+        let mut finite = Vec::new();
+        for b in 0..=255u8 {
+            let Some(want) = spec(f, man, bias, b) else {
+                continue;
+            };
+            assert_eq!(f64::from(f.decode(b)), want, "code {b:#04x}");
+            if b != 0x80 {
+                assert_eq!(f.encode(f.decode(b)), b, "code {b:#04x}");
+            }
+            if b < 0x80 {
+                finite.push((f.decode(b), b));
+            }
+        }
+        finite.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for w in finite.windows(2) {
+            let ((lo, cl), (hi, ch)) = (w[0], w[1]);
+            let mid = (lo + hi) / 2.0;
+            if mid > lo && mid < hi {
+                let even = if cl % 2 == 0 { cl } else { ch };
+                assert_eq!(f.encode(mid), even, "midpoint of {cl:#04x} and {ch:#04x}");
+                assert_eq!(f.encode(-mid), 0x80 | even);
+            }
+            let near_lo = lo + (hi - lo) * 0.25;
+            assert_eq!(f.encode(near_lo), cl);
+        }
+        let top = finite.last().unwrap().1;
+        assert_eq!(f.decode(top), max);
+        assert_eq!(f.encode(1e30), top);
+        assert_eq!(f.encode(-1e30), 0x80 | top);
+        assert_eq!(f.encode(max * 1.01), top);
+    }
+}
+
+/// fp8 caches: kernels against the oracle, and an error budget against
+/// the uniform 8-bit grid.
+#[test]
+fn fp8_codecs_in_kernels_and_budgets() {
+    let mut rng = Rng::new(23);
+    for levels in [Levels::E4m3, Levels::E5m2] {
+        for (hd, group) in [
+            (128, Group::Head),
+            (64, Group::Size(32)),
+            (40, Group::Size(8)),
+        ] {
+            let c = Codec::codebook(sym(8, group), levels);
+            let rows: Vec<f32> = (0..9 * 2 * hd).map(|_| rng.normal() * 3.0).collect();
+            check_kernels(&pack(c, &rows, 2, hd), &mut rng, 3, &c.label());
+        }
+        // 4 bits is not an fp8 width.
+        assert!(Codec::codebook(sym(4, Group::Head), levels)
+            .build(1, 64)
+            .is_err());
+    }
+    let (tokens, hd) = (64, 128);
+    let gauss: Vec<f32> = (0..tokens * hd).map(|_| rng.normal()).collect();
+    let e4 = rel_mse(
+        Codec::codebook(sym(8, Group::Head), Levels::E4m3),
+        &gauss,
+        1,
+        hd,
+    );
+    let e5 = rel_mse(
+        Codec::codebook(sym(8, Group::Head), Levels::E5m2),
+        &gauss,
+        1,
+        hd,
+    );
+    let int8 = rel_mse(Codec::uniform(sym(8, Group::Head)), &gauss, 1, hd);
+    eprintln!("rel. MSE per head of 128: e4m3 {e4:.2e}, e5m2 {e5:.2e}, int8 {int8:.2e}");
+    // Relative precision 2^-4 (e4m3) and 2^-3 (e5m2): MSE about
+    // 2^-8/12·(E[x²]-weighted) and four times that.
+    assert!(e4 < 8e-4 && e5 < 3e-3 && e4 < e5, "{e4} {e5}");
 }

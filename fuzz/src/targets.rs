@@ -105,10 +105,12 @@ fn codec(c: &mut Choices) -> Option<Codec> {
 /// The uniform grid of `s` or, one time in three, a codebook on its
 /// storage (which the cache rejects unless `s` fits it).
 fn levels(c: &mut Choices, s: QuantScheme) -> Codec {
-    match c.below(6) {
+    match c.below(8) {
         0 => Codec::codebook(s, Levels::Iq4Nl),
         1 => Codec::codebook(s, Levels::Nf4),
         2 => Codec::codebook(s, Levels::Gauss),
+        3 => Codec::codebook(s, Levels::E4m3),
+        4 => Codec::codebook(s, Levels::E5m2),
         _ => Codec::uniform(s),
     }
 }

@@ -46,7 +46,7 @@ struct StreamHeader {
 
 /// A codec as saved (16 bytes): `present` 0 for full precision, 1 for
 /// the uniform grid, `2 + id` for a codebook ([`Levels`]: 0 `iq4_nl`, 1 NF4,
-/// 2 Lloyd-Max).
+/// 2 Lloyd-Max, 3 fp8 `e4m3`, 4 fp8 `e5m2`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
 struct CodecTag {

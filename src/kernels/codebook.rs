@@ -15,6 +15,33 @@
 //! about `1e-6` of `Σ|q·k̂|`.
 
 use super::{axpy, check_queries, dot};
+
+/// How a code decodes, before the group's scale.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Book<'a> {
+    /// `table[code]` (padded to 16 entries).
+    Table(&'a [f32; 16]),
+    /// An fp8 byte: `f32::from_bits(sign << 24 | magnitude << shift)·factor`.
+    Fp8 {
+        /// Where the 7 magnitude bits go.
+        shift: u32,
+        /// `2^(127 − bias)`.
+        factor: f32,
+    },
+}
+
+impl Book<'_> {
+    #[inline]
+    fn value(self, c: u8) -> f32 {
+        match self {
+            Book::Table(t) => t[usize::from(c & 15)],
+            Book::Fp8 { shift, factor } => {
+                let bits = (u32::from(c & 0x80) << 24) | (u32::from(c & 0x7f) << shift);
+                f32::from_bits(bits) * factor
+            }
+        }
+    }
+}
 use crate::error::Result;
 use crate::simd::{Backend, Kernel};
 use crate::store::PackedHead;
@@ -26,7 +53,7 @@ use crate::store::PackedHead;
 pub(crate) fn scores_on(
     backend: Backend,
     head: &PackedHead<'_>,
-    table: &[f32; 16],
+    table: Book<'_>,
     q: &[f32],
     out: &mut [f32],
 ) -> Result<()> {
@@ -49,7 +76,7 @@ pub(crate) fn scores_on(
 pub(crate) fn weighted_sum_on(
     backend: Backend,
     head: &PackedHead<'_>,
-    table: &[f32; 16],
+    table: Book<'_>,
     p: &[f32],
     out: &mut [f32],
 ) -> Result<()> {
@@ -69,7 +96,7 @@ pub(crate) fn weighted_sum_on(
 ///
 /// # Panics
 /// If `out` is not `tokens·head_dim` long.
-pub(crate) fn decode(head: &PackedHead<'_>, table: &[f32; 16], out: &mut [f32]) {
+pub(crate) fn decode(head: &PackedHead<'_>, table: Book<'_>, out: &mut [f32]) {
     let hd = head.layout().head_dim();
     assert_eq!(out.len(), head.tokens() * hd, "decode: output length");
     let mut codes = vec![0u8; hd];
@@ -79,13 +106,7 @@ pub(crate) fn decode(head: &PackedHead<'_>, table: &[f32; 16], out: &mut [f32]) 
 }
 
 /// Token `t`'s row, decoded and scaled (scalar).
-fn decode_row(
-    head: &PackedHead<'_>,
-    table: &[f32; 16],
-    t: usize,
-    codes: &mut [u8],
-    row: &mut [f32],
-) {
+fn decode_row(head: &PackedHead<'_>, table: Book<'_>, t: usize, codes: &mut [u8], row: &mut [f32]) {
     let l = head.layout();
     let (rb, cpg) = (l.row_bytes(), l.channels_per_group());
     crate::pack::unpack(
@@ -100,7 +121,7 @@ fn decode_row(
     {
         let scale = head.param(t, g).0;
         for (r, &c) in r.iter_mut().zip(c) {
-            *r = scale * table[usize::from(c & 15)];
+            *r = scale * table.value(c);
         }
     }
 }
@@ -109,7 +130,7 @@ fn decode_row(
 /// probabilities (weighted sum).
 struct Args<'a, 'h> {
     head: &'a PackedHead<'h>,
-    table: &'a [f32; 16],
+    table: Book<'a>,
     x: &'a [f32],
     out: &'a mut [f32],
     sum: bool,
@@ -147,7 +168,7 @@ impl Kernel for Args<'_, '_> {
     #[inline(always)]
     fn simd<S: crate::simd::x86_64::Simd>(self, s: S) {
         use super::x86_64::codebook;
-        if !codebook::takes::<S>(self.head.layout()) {
+        if !codebook::takes::<S>(self.head.layout(), self.table) {
             return self.scalar();
         }
         let Args {

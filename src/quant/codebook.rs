@@ -26,10 +26,15 @@
 //!   at the same 4.5 bits, and at 3.5 (2.5) bits below the uniform 3-bit
 //!   (2-bit) grid with scale and zero, which takes 4 (3) bits.
 //!
-//! The fused kernels look levels up in registers (`vpermps`, see
-//! `kernels::codebook`).
+//! * [`Levels::E4m3`], [`Levels::E5m2`]: 8-bit floating point (OCP FP8),
+//!   the standard bytes times one scale per group (`absmax/448` or
+//!   `absmax/57344`), see `quant::fp8`.
+//!
+//! The fused kernels look levels up in registers (`vpermps`) or, for fp8,
+//! decode a byte with a shift and a multiply (see `kernels::codebook`).
 
 use super::codec::{Codec, KvCodec, Pending};
+use super::fp8::{Fp8, E4M3, E5M2};
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::scheme::{Axis, Group, Layout, Mode, Rounding, ScaleFormat};
@@ -48,6 +53,10 @@ pub enum Levels {
     /// Lloyd-Max levels of a unit Gaussian scaled by a least-squares fit
     /// from the group's RMS (2, 3 or 4 bits).
     Gauss,
+    /// FP8 `e4m3fn` bytes times the group's `absmax/448` (8 bits).
+    E4m3,
+    /// FP8 `e5m2` bytes times the group's `absmax/57344` (8 bits).
+    E5m2,
 }
 
 /// llama.cpp's `kvalues_iq4nl`.
@@ -90,10 +99,16 @@ const GAUSS4: [f32; 16] = [
 
 impl Levels {
     /// Every table, for tests and sweeps.
-    pub const ALL: &'static [Levels] = &[Levels::Iq4Nl, Levels::Nf4, Levels::Gauss];
+    pub const ALL: &'static [Levels] = &[
+        Levels::Iq4Nl,
+        Levels::Nf4,
+        Levels::Gauss,
+        Levels::E4m3,
+        Levels::E5m2,
+    ];
 
     /// The levels at `bits` bits, ascending (`None` when this table has no
-    /// such width).
+    /// such width, and for fp8, which decodes without a table).
     pub fn table(self, bits: u8) -> Option<&'static [f32]> {
         match (self, bits) {
             (Levels::Iq4Nl, 4) => Some(&IQ4NL),
@@ -111,6 +126,17 @@ impl Levels {
             Levels::Iq4Nl => "iq4_nl",
             Levels::Nf4 => "nf4",
             Levels::Gauss => "gauss",
+            Levels::E4m3 => "e4m3",
+            Levels::E5m2 => "e5m2",
+        }
+    }
+
+    /// The fp8 format, for the fp8 levels.
+    fn fp8(self) -> Option<Fp8> {
+        match self {
+            Levels::E4m3 => Some(E4M3),
+            Levels::E5m2 => Some(E5M2),
+            _ => None,
         }
     }
 
@@ -120,6 +146,8 @@ impl Levels {
             Levels::Iq4Nl => 0,
             Levels::Nf4 => 1,
             Levels::Gauss => 2,
+            Levels::E4m3 => 3,
+            Levels::E5m2 => 4,
         }
     }
 
@@ -211,6 +239,7 @@ pub(crate) fn encode_group(
                 Err(sumqx / sumq2)
             }
         }
+        Levels::E4m3 | Levels::E5m2 => unreachable!("fp8 groups go to fp8_group"),
         Levels::Nf4 | Levels::Gauss => {
             if amax == 0.0 {
                 return all_zero(codes);
@@ -254,6 +283,31 @@ pub(crate) fn encode_group(
     }
 }
 
+/// The stored scale of one fp8 group `x` (`absmax/largest`, to the nearest
+/// value of `fmt`) and its bytes, or the scale that does not fit `fmt`.
+fn fp8_group(
+    f: Fp8,
+    fmt: ScaleFormat,
+    x: &[f32],
+    codes: &mut [u8],
+) -> std::result::Result<f32, f32> {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let s = amax / f.max;
+    let d = round_nearest(fmt, s);
+    if !d.is_finite() {
+        return Err(s);
+    }
+    if d == 0.0 {
+        codes.fill(0);
+        return Ok(0.0);
+    }
+    let id = 1.0 / d;
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = f.encode(v * id);
+    }
+    Ok(d)
+}
+
 /// Codes of `x` at scale `d0`, the least-squares scale for them rounded
 /// into `fmt`, and the codes again at that stored scale; returns it.
 fn refit(
@@ -293,13 +347,14 @@ fn refit(
 }
 
 /// A codebook format for one shape: the layout of its symmetric scheme
-/// and the levels, padded to 16 for the kernels.
+/// and the levels, padded to 16 for the kernels (empty for fp8).
 #[derive(Debug, Clone)]
 pub struct CodebookCodec {
     layout: Layout,
     levels: Levels,
     table: [f32; 16],
     n: usize,
+    fp8: Option<Fp8>,
 }
 
 impl CodebookCodec {
@@ -314,7 +369,12 @@ impl CodebookCodec {
         let op = "CodebookCodec::new";
         let s = *layout.scheme();
         let bad = |what: String| Err(Error::InvalidConfig { op, what });
-        let Some(t) = levels.table(s.bits()) else {
+        let fp8 = levels.fp8();
+        let t = match (fp8, levels.table(s.bits())) {
+            (Some(_), _) if s.bits() == 8 => Some(&[][..]),
+            (_, t) => t,
+        };
+        let Some(t) = t else {
             return bad(format!(
                 "the {} codebook has no {}-bit table",
                 levels.name(),
@@ -345,6 +405,7 @@ impl CodebookCodec {
             levels,
             table,
             n: t.len(),
+            fp8,
         })
     }
 
@@ -355,6 +416,30 @@ impl CodebookCodec {
 
     fn levels_table(&self) -> &[f32] {
         &self.table[..self.n]
+    }
+
+    /// One group's scale and codes.
+    fn group(
+        &self,
+        fmt: ScaleFormat,
+        x: &[f32],
+        codes: &mut [u8],
+    ) -> std::result::Result<f32, f32> {
+        match self.fp8 {
+            Some(f) => fp8_group(f, fmt, x, codes),
+            None => encode_group(self.levels, self.levels_table(), fmt, x, codes),
+        }
+    }
+
+    /// What the kernels decode with.
+    fn book(&self) -> kernels::codebook::Book<'_> {
+        match self.fp8 {
+            Some(f) => kernels::codebook::Book::Fp8 {
+                shift: f.shift(),
+                factor: f.factor(),
+            },
+            None => kernels::codebook::Book::Table(&self.table),
+        }
     }
 
     /// Largest `|x|` below which no group's scale can overflow the format:
@@ -397,8 +482,8 @@ impl KvCodec for CodebookCodec {
         let mut codes = vec![0u8; cpg];
         for (i, row) in rows.chunks_exact(l.n_kv_heads() * hd).enumerate() {
             for (k, g) in row.chunks_exact(cpg).enumerate() {
-                encode_group(self.levels, self.levels_table(), fmt, g, &mut codes).map_err(
-                    |value| Error::ScaleOverflow {
+                self.group(fmt, g, &mut codes)
+                    .map_err(|value| Error::ScaleOverflow {
                         op,
                         what: "scale",
                         value,
@@ -406,8 +491,7 @@ impl KvCodec for CodebookCodec {
                         token: token0 + i,
                         head: k * cpg / hd,
                         group: k * cpg % hd / cpg,
-                    },
-                )?;
+                    })?;
             }
         }
         Ok(())
@@ -435,22 +519,17 @@ impl KvCodec for CodebookCodec {
         for h in 0..l.n_kv_heads() {
             for g in 0..gpr {
                 let x = &row[h * hd + g * cpg..][..cpg];
-                let d = encode_group(
-                    self.levels,
-                    self.levels_table(),
-                    fmt,
-                    x,
-                    &mut tmp[g * cpg..(g + 1) * cpg],
-                )
-                .map_err(|value| Error::ScaleOverflow {
-                    op: "quantize",
-                    what: "scale",
-                    value,
-                    format: fmt.name(),
-                    token,
-                    head: h,
-                    group: g,
-                })?;
+                let d = self
+                    .group(fmt, x, &mut tmp[g * cpg..(g + 1) * cpg])
+                    .map_err(|value| Error::ScaleOverflow {
+                        op: "quantize",
+                        what: "scale",
+                        value,
+                        format: fmt.name(),
+                        token,
+                        head: h,
+                        group: g,
+                    })?;
                 fmt.write(d, &mut params[(h * gpr + g) * fb..]);
             }
             crate::pack::pack(&tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
@@ -481,7 +560,7 @@ impl KvCodec for CodebookCodec {
         q: &[f32],
         out: &mut [f32],
     ) -> Result<()> {
-        kernels::codebook::scores_on(backend, head, &self.table, q, out)
+        kernels::codebook::scores_on(backend, head, self.book(), q, out)
     }
 
     fn weighted_sum(
@@ -491,10 +570,10 @@ impl KvCodec for CodebookCodec {
         p: &[f32],
         out: &mut [f32],
     ) -> Result<()> {
-        kernels::codebook::weighted_sum_on(backend, head, &self.table, p, out)
+        kernels::codebook::weighted_sum_on(backend, head, self.book(), p, out)
     }
 
     fn decode(&self, head: &PackedHead<'_>, out: &mut [f32]) {
-        kernels::codebook::decode(head, &self.table, out);
+        kernels::codebook::decode(head, self.book(), out);
     }
 }

@@ -50,6 +50,7 @@ use ndarray::{Array3, ArrayView3};
 
 pub mod codebook;
 pub mod codec;
+pub mod fp8;
 pub mod rotation;
 
 pub use codebook::{CodebookCodec, Levels};

@@ -14,7 +14,7 @@
 //! bits), `ladder` (granularity at 4 bits), `trap` (keys alone quantized
 //! after `k_proj`, after `k_norm` and in the cache, after RoPE: the
 //! measurement-point trap of a model with `k_norm`), `codebook` (the
-//! codebook codecs — `iq4_nl`, NF4, Lloyd-Max — plain and rotated, beside
+//! codebook codecs — `iq4_nl`, NF4, Lloyd-Max, fp8 — plain and rotated, beside
 //! the uniform grids of the same and half a bit more).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
@@ -330,6 +330,17 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
             g.push(rotated(cb("K/V gauss3", ga3, ga3)));
             g.push(rotated(cb("K gauss3/V gauss2", ga3, ga2)));
             g.push(rotated(cb("K/V gauss2", ga2, ga2)));
+            // fp8 with a scale per head and token (8.125 bits at head dim 128).
+            let head8 = pt(8, Group::Head)
+                .with_mode(kvq::Mode::Symmetric)
+                .expect("symmetric grid schemes are valid");
+            for (name, l) in [("e4m3", Levels::E4m3), ("e5m2", Levels::E5m2)] {
+                g.push(cb(
+                    &format!("K/V {name} pthead"),
+                    (head8, Some(l)),
+                    (head8, Some(l)),
+                ));
+            }
             // Per-channel keys (KIVI, unrotated) with rotated Lloyd-Max values.
             for (name, kb, v) in [("gauss4", 4, ga4), ("gauss3", 4, ga3), ("gauss3", 3, ga3)] {
                 let mut c = cb(&format!("K{kb} pc32 / H·V {name}"), (pc(kb, g32), None), v);

@@ -3,6 +3,7 @@
 //! dot it with every query or add it into every output.
 
 use super::Simd;
+use crate::kernels::codebook::Book;
 use crate::scheme::Layout;
 use crate::store::PackedHead;
 
@@ -10,12 +11,13 @@ use crate::store::PackedHead;
 /// plane's bytes a multiple of `L` (4 bits: `head_dim/2`; 2 bits:
 /// `head_dim/4`; 3 bits: the 1-bit plane's `head_dim/8`).
 #[inline(always)]
-pub(crate) fn takes<S: Simd>(l: &Layout) -> bool {
+pub(crate) fn takes<S: Simd>(l: &Layout, book: Book<'_>) -> bool {
     let hd = l.head_dim();
-    let plane = match l.scheme().bits() {
-        4 => hd / 2,
-        2 => hd / 4,
-        3 => hd / 8,
+    let plane = match (l.scheme().bits(), book) {
+        (8, Book::Fp8 { .. }) => hd,
+        (4, Book::Table(_)) => hd / 2,
+        (2, Book::Table(_)) => hd / 4,
+        (3, Book::Table(_)) => hd / 8,
         _ => return false,
     };
     plane > 0 && plane.is_multiple_of(S::L)
@@ -39,8 +41,8 @@ pub(crate) fn check(head: &PackedHead<'_>, x: usize, out: usize, sum: bool) {
     assert!(x == xs && out == os, "codebook: lengths");
 }
 
-/// Decode the `hd` codes of `row` (`bits` 2, 3 or 4, [`takes`] true) to
-/// their table entries at `scr`.
+/// Decode the `hd` codes of `row` ([`takes`] true: 2, 3 or 4 bits with a
+/// table, 8 for fp8) to their values at `scr`.
 ///
 /// # Safety
 /// `row` valid for `hd·bits/8` bytes, `scr` for `hd` floats.
@@ -48,6 +50,7 @@ pub(crate) fn check(head: &PackedHead<'_>, x: usize, out: usize, sum: bool) {
 unsafe fn decode_codes<S: Simd>(
     s: S,
     tbl: S::T16,
+    fp8: Option<(u32, f32)>,
     row: *const u8,
     bits: u8,
     hd: usize,
@@ -57,6 +60,16 @@ unsafe fn decode_codes<S: Simd>(
     // store writes `L` floats inside `scr`, by `takes` and the caller's
     // contract (see `crate::pack` for the plane layout).
     unsafe {
+        if let Some((shift, factor)) = fp8 {
+            let (sh, f) = (shift as i32, s.splat(factor));
+            for j in (0..hd).step_by(S::L) {
+                let v = s.load_u8(row.add(j));
+                let sign = s.shr_mask(v, -24, 0x8000_0000);
+                let mag = s.shr_mask(v, -sh, 0x7f << shift);
+                s.store(scr.add(j), s.mul(s.bits_f32(s.or(sign, mag)), f));
+            }
+            return;
+        }
         match bits {
             4 => {
                 let m = hd / 2;
@@ -104,7 +117,7 @@ unsafe fn decode_codes<S: Simd>(
 pub(crate) unsafe fn run<S: Simd>(
     s: S,
     head: &PackedHead<'_>,
-    table: &[f32; 16],
+    book: Book<'_>,
     x: &[f32],
     out: &mut [f32],
     sum: bool,
@@ -118,7 +131,10 @@ pub(crate) unsafe fn run<S: Simd>(
     );
     let tokens = head.tokens();
     let nq = if sum { out.len() / hd } else { x.len() / hd };
-    let tbl = s.table16(table);
+    let (tbl, fp8) = match book {
+        Book::Table(t) => (s.table16(t), None),
+        Book::Fp8 { shift, factor } => (s.table16(&[0.0; 16]), Some((shift, factor))),
+    };
     // Every access to the scratch goes through `scr`.
     let mut buf = vec![0f32; hd];
     let scr = buf.as_mut_ptr();
@@ -129,7 +145,15 @@ pub(crate) unsafe fn run<S: Simd>(
         // query row `i` (`hd` floats of `x`) or the output row `i` (`hd`
         // of `out`): `hd` is a multiple of `L` by `takes`.
         unsafe {
-            decode_codes(s, tbl, head.codes().as_ptr().add(t * rb), bits, hd, scr);
+            decode_codes(
+                s,
+                tbl,
+                fp8,
+                head.codes().as_ptr().add(t * rb),
+                bits,
+                hd,
+                scr,
+            );
             for g in 0..hd / cpg {
                 let sc = head.param(t, g).0;
                 if whole {

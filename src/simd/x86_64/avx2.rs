@@ -173,6 +173,11 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_permutevar8x32_ps(table, idx) }
     }
     #[inline(always)]
+    fn bits_f32(self, v: __m256i) -> __m256 {
+        // SAFETY: AVX (a register reinterpretation).
+        unsafe { _mm256_castsi256_ps(v) }
+    }
+    #[inline(always)]
     fn table16(self, t: &[f32; 16]) -> (__m256, __m256) {
         // SAFETY: AVX; `t` is 16 floats (two unaligned loads of 8).
         unsafe {

@@ -169,6 +169,11 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_permutexvar_ps(idx, table) }
     }
     #[inline(always)]
+    fn bits_f32(self, v: __m512i) -> __m512 {
+        // SAFETY: AVX-512F (a register reinterpretation).
+        unsafe { _mm512_castsi512_ps(v) }
+    }
+    #[inline(always)]
     fn table16(self, t: &[f32; 16]) -> __m512 {
         // SAFETY: AVX-512F; `t` is 16 floats (unaligned load).
         unsafe { _mm512_loadu_ps(t.as_ptr()) }

@@ -169,6 +169,8 @@ pub(crate) unsafe trait Simd: Copy {
     fn shr_pair_mask(self, v: Self::I, a: u32, b: u32, mask: u32, sh: u32) -> Self::I;
     /// Bitwise or.
     fn or(self, a: Self::I, b: Self::I) -> Self::I;
+    /// The lanes' bits read as floats (no conversion).
+    fn bits_f32(self, v: Self::I) -> Self::F;
     /// The constants of [`Simd::code3_bytes`] for rows of `hd` channels,
     /// or `None` where this ISA unpacks 3-bit rows vector by vector.
     fn code3_consts(self, hd: usize) -> Option<Self::C3>;
