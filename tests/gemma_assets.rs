@@ -11,10 +11,9 @@ mod common;
 use kvq_eval::assets;
 use kvq_eval::gguf::{GgmlType, Gguf};
 use kvq_eval::kvq_store::{CacheSpec, CodecRoundTrip, KvqStore};
-use kvq_eval::model::{DenseStore, Hooks, KvStore, Model, QuantPoint};
+use kvq_eval::model::{DenseStore, Hooks, KvStore, QuantPoint};
 use kvq_eval::ppl::{perplexity_kl, EvalPath, Kl, PplOptions, Reference};
 use kvq_eval::programs::prefix_tokens;
-use kvq_eval::tokenizer::Tokenizer;
 
 const GEMMA: &str = assets::GEMMA;
 
@@ -104,10 +103,9 @@ fn gemma_first_window_full_precision_and_quantized() {
         return;
     }
     kvq_eval::init_threads();
-    let g = Gguf::open(&path).unwrap();
-    let tok = Tokenizer::from_gguf(&g).unwrap();
-    let model = Model::from_gguf(&g).unwrap();
-    drop(g);
+    let kvq_eval::programs::Loaded {
+        tok, model, bos, ..
+    } = kvq_eval::programs::load(&path).unwrap();
     let cfg = &model.cfg;
     assert_eq!(
         (
@@ -127,8 +125,7 @@ fn gemma_first_window_full_precision_and_quantized() {
         .layers
         .iter()
         .all(|l| l.k_norm.is_some() && l.post_ffn_norm.is_some()));
-    let bos = tok.bos();
-    assert_eq!(bos, Some(2));
+    assert_eq!((bos, tok.bos()), (Some(2), Some(2)));
     let opts = PplOptions {
         n_tokens: 512,
         window: 512,

@@ -13,14 +13,12 @@
 mod common;
 
 use kvq_eval::assets;
-use kvq_eval::gguf::Gguf;
 use kvq_eval::kvq_store::{CacheSpec, KvqStore};
-use kvq_eval::model::{DenseStore, Hooks, Model};
+use kvq_eval::model::{DenseStore, Hooks};
 use kvq_eval::ppl::{
     capture_window, perplexity, perplexity_kl, EvalPath, Kl, PplOptions, Reference,
 };
 use kvq_eval::programs::sweep::attention_kl;
-use kvq_eval::tokenizer::Tokenizer;
 
 /// Full-precision perplexity of the first 512-token window, all predictions
 /// and second half, as measured on x86-64 in f32 (`docs/RESULTS.md`).
@@ -50,10 +48,10 @@ fn real_model_tokenizer_and_first_window_perplexity() {
         return;
     }
     kvq_eval::init_threads();
-    let g = Gguf::open(assets::path(assets::MODEL)).unwrap();
-    let tok = Tokenizer::from_gguf(&g).unwrap();
-    let model = Model::from_gguf(&g).unwrap();
-    drop(g);
+    let kvq_eval::programs::Loaded {
+        tok, model, bos, ..
+    } = kvq_eval::programs::load(&assets::path(assets::MODEL)).unwrap();
+    assert_eq!(bos, None, "SmolLM2 asks for no BOS");
     let cfg = &model.cfg;
     assert_eq!(
         (

@@ -57,13 +57,23 @@ pub fn ensure(fetch: bool) -> Result<(), String> {
         return Err("assets missing: run scripts/fetch-assets.sh".into());
     }
     eprintln!("assets missing: running scripts/fetch-assets.sh");
+    run_fetch(&[], present)
+}
+
+/// Run `scripts/fetch-assets.sh args`; `Err` unless it succeeds and `done()`.
+fn run_fetch(args: &[&str], done: impl Fn() -> bool) -> Result<(), String> {
     let script = crate::repo_root().join("scripts/fetch-assets.sh");
     let st = std::process::Command::new("bash")
         .arg(&script)
+        .args(args)
         .status()
         .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-    if !st.success() || !present() {
-        return Err(format!("{} failed ({st})", script.display()));
+    if !st.success() || !done() {
+        return Err(format!(
+            "{} {} failed ({st})",
+            script.display(),
+            args.join(" ")
+        ));
     }
     Ok(())
 }
@@ -79,14 +89,5 @@ pub fn ensure_model(model: &std::path::Path, fetch: bool) -> Result<(), String> 
         return Err("Gemma 3 missing: run scripts/fetch-assets.sh --gemma".into());
     }
     eprintln!("Gemma 3 missing: running scripts/fetch-assets.sh --gemma");
-    let script = crate::repo_root().join("scripts/fetch-assets.sh");
-    let st = std::process::Command::new("bash")
-        .arg(&script)
-        .arg("--gemma")
-        .status()
-        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-    if !st.success() || !model.is_file() {
-        return Err(format!("{} --gemma failed ({st})", script.display()));
-    }
-    Ok(())
+    run_fetch(&["--gemma"], || model.is_file())
 }
