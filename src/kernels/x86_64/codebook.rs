@@ -42,10 +42,13 @@ pub(crate) fn check(head: &PackedHead<'_>, x: usize, out: usize, sum: bool) {
 }
 
 /// Decode the `hd` codes of `row` ([`takes`] true: 2, 3 or 4 bits with a
-/// table, 8 for fp8) to their values at `scr`.
+/// table, 8 for fp8) to their values at `scr`, times their group's scale
+/// from `sc` when `cpg` (channels per group) is a multiple of `L` (else
+/// unscaled: the caller scales).
 ///
 /// # Safety
 /// `row` valid for `hd·bits/8` bytes, `scr` for `hd` floats.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn decode_codes<S: Simd>(
     s: S,
@@ -54,8 +57,19 @@ unsafe fn decode_codes<S: Simd>(
     row: *const u8,
     bits: u8,
     hd: usize,
+    (sc, cpg): (&[f32], usize),
     scr: *mut f32,
 ) {
+    let whole = cpg.is_multiple_of(S::L);
+    // SAFETY: `e + L <= hd` at every call below.
+    let put = |e: usize, v: S::F| unsafe {
+        let v = if whole {
+            s.mul(v, s.splat(sc[e / cpg]))
+        } else {
+            v
+        };
+        s.store(scr.add(e), v)
+    };
     // SAFETY: every load reads `L` bytes inside the row's planes and every
     // store writes `L` floats inside `scr`, by `takes` and the caller's
     // contract (see `crate::pack` for the plane layout).
@@ -66,7 +80,7 @@ unsafe fn decode_codes<S: Simd>(
                 let v = s.load_u8(row.add(j));
                 let sign = s.shr_mask(v, -24, 0x8000_0000);
                 let mag = s.shr_mask(v, -sh, 0x7f << shift);
-                s.store(scr.add(j), s.mul(s.bits_f32(s.or(sign, mag)), f));
+                put(j, s.mul(s.bits_f32(s.or(sign, mag)), f));
             }
             return;
         }
@@ -75,8 +89,8 @@ unsafe fn decode_codes<S: Simd>(
                 let m = hd / 2;
                 for j in (0..m).step_by(S::L) {
                     let v = s.load_u8(row.add(j));
-                    s.store(scr.add(j), s.lut16(tbl, s.shr_mask(v, 0, 15)));
-                    s.store(scr.add(j + m), s.lut16(tbl, s.shr_mask(v, 4, 15)));
+                    put(j, s.lut16(tbl, s.shr_mask(v, 0, 15)));
+                    put(j + m, s.lut16(tbl, s.shr_mask(v, 4, 15)));
                 }
             }
             2 => {
@@ -85,7 +99,7 @@ unsafe fn decode_codes<S: Simd>(
                     let v = s.load_u8(row.add(j));
                     for f in 0..4 {
                         let idx = s.shr_mask(v, 2 * f as i32, 3);
-                        s.store(scr.add(j + f * m), s.lut16(tbl, idx));
+                        put(j + f * m, s.lut16(tbl, idx));
                     }
                 }
             }
@@ -99,7 +113,7 @@ unsafe fn decode_codes<S: Simd>(
                     for f in 0..4 {
                         let k = (2 * f + hb) as i32;
                         let idx = s.or(s.shr_mask(lo, 2 * f as i32, 3), s.shr_mask(hi, k - 2, 4));
-                        s.store(scr.add(j + f * m2), s.lut16(tbl, idx));
+                        put(j + f * m2, s.lut16(tbl, idx));
                     }
                 }
             }
@@ -139,31 +153,22 @@ pub(crate) unsafe fn run<S: Simd>(
     let mut buf = vec![0f32; hd];
     let scr = buf.as_mut_ptr();
     let whole = cpg.is_multiple_of(S::L);
+    let mut sc = vec![0f32; hd / cpg];
     for t in 0..tokens {
         // SAFETY: row `t` lies in the codes (checked), `scr` holds `hd`
         // floats, and every vector access below stays inside `scr`, the
         // query row `i` (`hd` floats of `x`) or the output row `i` (`hd`
         // of `out`): `hd` is a multiple of `L` by `takes`.
         unsafe {
-            decode_codes(
-                s,
-                tbl,
-                fp8,
-                head.codes().as_ptr().add(t * rb),
-                bits,
-                hd,
-                scr,
-            );
-            for g in 0..hd / cpg {
-                let sc = head.param(t, g).0;
-                if whole {
-                    let sv = s.splat(sc);
-                    for j in (g * cpg..(g + 1) * cpg).step_by(S::L) {
-                        s.store(scr.add(j), s.mul(s.load(scr.add(j)), sv));
-                    }
-                } else {
+            for (g, v) in sc.iter_mut().enumerate() {
+                *v = head.param(t, g).0;
+            }
+            let row = head.codes().as_ptr().add(t * rb);
+            decode_codes(s, tbl, fp8, row, bits, hd, (&sc, cpg), scr);
+            if !whole {
+                for (g, &v) in sc.iter().enumerate() {
                     for j in g * cpg..(g + 1) * cpg {
-                        *scr.add(j) *= sc;
+                        *scr.add(j) *= v;
                     }
                 }
             }
