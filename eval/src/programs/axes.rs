@@ -2,10 +2,10 @@
 //! reconstruction error *and* by error where the cache is used.
 //!
 //! ```text
-//! cargo run --release --example axes -- [--domains austen,code] [--bits 2,3,4]
+//! cargo run --release --example axes -- [--model smollm2|gemma|PATH] [--domains austen,code] [--bits 2,3,4]
 //! ```
 //!
-//! Captures the full-precision Q/K/V of SmolLM2-135M on the first 512-token
+//! Captures the full-precision Q/K/V of SmolLM2-135M (or `--model`) on the first 512-token
 //! window of each corpus, then quantizes only the keys (values exact) or only
 //! the values (keys exact) per-token vs per-channel (groups of 32 channels
 //! or 32 tokens, f16 scale and zero), and reports, averaged over all 30
@@ -31,6 +31,9 @@ use crate::BoxError;
 #[derive(Debug, Clone, Parser)]
 #[command(name = "axes")]
 pub struct Args {
+    /// GGUF model: smollm2, gemma (fetched with scripts/fetch-assets.sh --gemma), or a path.
+    #[arg(long, value_name = "smollm2|gemma|PATH", default_value = "smollm2")]
+    pub model: std::path::PathBuf,
     /// Corpora: austen, code, or paths.
     #[arg(
         long,
@@ -51,7 +54,11 @@ pub struct Args {
 
 /// Run the program.
 pub fn run(args: Args) -> Result<(), BoxError> {
-    let super::Loaded { tok, model, .. } = super::load(&crate::assets::path(crate::assets::MODEL))?;
+    let path = crate::assets::model(&args.model);
+    crate::assets::ensure_model(&path, true)?;
+    let super::Loaded {
+        tok, model, bos, ..
+    } = super::load(&path)?;
     let c = model.cfg.clone();
     let (nq, nkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
     let shape = AttnShape::new(nq, nkv, hd)?;
@@ -76,7 +83,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         let first = ids
             .get(..512)
             .ok_or_else(|| format!("{d}: fewer than 512 tokens"))?;
-        let cap = capture_window(&model, first)?;
+        let cap = capture_window(&model, &crate::ppl::with_bos(first, bos))?;
         for tensor in ["keys", "values"] {
             for &b in &args.bits {
                 for axis in [Axis::PerToken, Axis::PerChannel] {
