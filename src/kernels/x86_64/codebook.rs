@@ -61,15 +61,32 @@ unsafe fn decode_codes<S: Simd>(
     scr: *mut f32,
 ) {
     let whole = cpg.is_multiple_of(S::L);
-    // SAFETY: `e + L <= hd` at every call below.
-    let put = |e: usize, v: S::F| unsafe {
-        let v = if whole {
-            s.mul(v, s.splat(sc[e / cpg]))
-        } else {
-            v
-        };
-        s.store(scr.add(e), v)
+    // Group of element `e`: a shift for the usual power-of-two groups.
+    let shift = if cpg.is_power_of_two() {
+        cpg.trailing_zeros()
+    } else {
+        u32::MAX
     };
+    // A macro, not a closure: a closure's body is compiled without the
+    // trampoline's target features, so the vector calls in it would not
+    // inline. Every use stores `L` floats at `e + L <= hd` (`scr` holds
+    // `hd`), and `e / cpg` is a group of the row (`sc` has one per group).
+    macro_rules! put {
+        ($e:expr, $v:expr) => {{
+            let (e, v) = ($e, $v);
+            let v = if whole {
+                let g = if shift != u32::MAX {
+                    e >> shift
+                } else {
+                    e / cpg
+                };
+                s.mul(v, s.splat(sc[g]))
+            } else {
+                v
+            };
+            s.store(scr.add(e), v)
+        }};
+    }
     // SAFETY: every load reads `L` bytes inside the row's planes and every
     // store writes `L` floats inside `scr`, by `takes` and the caller's
     // contract (see `crate::pack` for the plane layout).
@@ -80,7 +97,7 @@ unsafe fn decode_codes<S: Simd>(
                 let v = s.load_u8(row.add(j));
                 let sign = s.shr_mask(v, -24, 0x8000_0000);
                 let mag = s.shr_mask(v, -sh, 0x7f << shift);
-                put(j, s.mul(s.bits_f32(s.or(sign, mag)), f));
+                put!(j, s.mul(s.bits_f32(s.or(sign, mag)), f));
             }
             return;
         }
@@ -89,8 +106,8 @@ unsafe fn decode_codes<S: Simd>(
                 let m = hd / 2;
                 for j in (0..m).step_by(S::L) {
                     let v = s.load_u8(row.add(j));
-                    put(j, s.lut16(tbl, s.shr_mask(v, 0, 15)));
-                    put(j + m, s.lut16(tbl, s.shr_mask(v, 4, 15)));
+                    put!(j, s.lut16(tbl, s.shr_mask(v, 0, 15)));
+                    put!(j + m, s.lut16(tbl, s.shr_mask(v, 4, 15)));
                 }
             }
             2 => {
@@ -99,7 +116,7 @@ unsafe fn decode_codes<S: Simd>(
                     let v = s.load_u8(row.add(j));
                     for f in 0..4 {
                         let idx = s.shr_mask(v, 2 * f as i32, 3);
-                        put(j + f * m, s.lut16(tbl, idx));
+                        put!(j + f * m, s.lut16(tbl, idx));
                     }
                 }
             }
@@ -113,7 +130,7 @@ unsafe fn decode_codes<S: Simd>(
                     for f in 0..4 {
                         let k = (2 * f + hb) as i32;
                         let idx = s.or(s.shr_mask(lo, 2 * f as i32, 3), s.shr_mask(hi, k - 2, 4));
-                        put(j + f * m2, s.lut16(tbl, idx));
+                        put!(j + f * m2, s.lut16(tbl, idx));
                     }
                 }
             }
@@ -153,18 +170,44 @@ pub(crate) unsafe fn run<S: Simd>(
     let mut buf = vec![0f32; hd];
     let scr = buf.as_mut_ptr();
     let whole = cpg.is_multiple_of(S::L);
-    let mut sc = vec![0f32; hd / cpg];
+    let gpr = hd / cpg;
+    // f16 scales of a block of tokens widened at once (`L` per load): the
+    // per-group reads cost more than the row's decode otherwise.
+    const BLOCK: usize = 256;
+    let f16 = l.scheme().scale_format() == crate::scheme::ScaleFormat::F16 && !l.shared_params();
+    let mut scales = vec![0f32; BLOCK * gpr];
     for t in 0..tokens {
+        if t % BLOCK == 0 {
+            let n = (tokens - t).min(BLOCK) * gpr;
+            if f16 {
+                let p = &head.params()[t * gpr * 2..(t * gpr + n) * 2];
+                let whole_l = n / S::L * S::L;
+                for k in (0..whole_l).step_by(S::L) {
+                    // SAFETY: `2·L` bytes at `2k` lie inside `p` (`k + L <=
+                    // n`, `p` holds `2n`), and `scales` holds `n` floats.
+                    unsafe {
+                        let v = s.load_f16(p.as_ptr().add(2 * k));
+                        s.store(scales.as_mut_ptr().add(k), v);
+                    }
+                }
+                for (k, v) in scales.iter_mut().enumerate().take(n).skip(whole_l) {
+                    *v =
+                        half::f16::from_bits(u16::from_le_bytes([p[2 * k], p[2 * k + 1]])).to_f32();
+                }
+            } else {
+                for (k, v) in scales[..n].iter_mut().enumerate() {
+                    *v = head.param(t + k / gpr, k % gpr).0;
+                }
+            }
+        }
+        let sc = &scales[(t % BLOCK) * gpr..][..gpr];
         // SAFETY: row `t` lies in the codes (checked), `scr` holds `hd`
         // floats, and every vector access below stays inside `scr`, the
         // query row `i` (`hd` floats of `x`) or the output row `i` (`hd`
         // of `out`): `hd` is a multiple of `L` by `takes`.
         unsafe {
-            for (g, v) in sc.iter_mut().enumerate() {
-                *v = head.param(t, g).0;
-            }
             let row = head.codes().as_ptr().add(t * rb);
-            decode_codes(s, tbl, fp8, row, bits, hd, (&sc, cpg), scr);
+            decode_codes(s, tbl, fp8, row, bits, hd, (sc, cpg), scr);
             if !whole {
                 for (g, &v) in sc.iter().enumerate() {
                     for j in g * cpg..(g + 1) * cpg {
@@ -186,11 +229,14 @@ pub(crate) unsafe fn run<S: Simd>(
             } else {
                 for i in 0..nq {
                     let q = x.as_ptr().add(i * hd);
-                    let mut acc = s.zero();
-                    for j in (0..hd).step_by(S::L) {
-                        acc = s.fma(s.load(q.add(j)), s.load(scr.add(j)), acc);
+                    // Four accumulators: one would chain every FMA's
+                    // latency through the row.
+                    let mut acc = [s.zero(); 4];
+                    for (k, j) in (0..hd).step_by(S::L).enumerate() {
+                        acc[k % 4] = s.fma(s.load(q.add(j)), s.load(scr.add(j)), acc[k % 4]);
                     }
-                    out[i * tokens + t] = s.hsum(acc);
+                    let sum = s.add(s.add(acc[0], acc[1]), s.add(acc[2], acc[3]));
+                    out[i * tokens + t] = s.hsum(sum);
                 }
             }
         }
