@@ -367,7 +367,6 @@ fn kl_against_a_reference_run() {
     assert!(q.mean > 1e-6 && q.p99 >= q.mean && q.count == 60, "{q:?}");
     let dec = PplOptions {
         path: EvalPath::Decode,
-        bos: None,
         ..opts.clone()
     };
     let (_, qd) = perplexity_kl(

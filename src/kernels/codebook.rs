@@ -15,19 +15,15 @@
 //! about `1e-6` of `Σ|q·k̂|`.
 
 use super::{axpy, check_queries, dot};
+use crate::quant::fp8::Fp8;
 
 /// How a code decodes, before the group's scale.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Book<'a> {
     /// `table[code]` (padded to 16 entries).
     Table(&'a [f32; 16]),
-    /// An fp8 byte: `f32::from_bits(sign << 24 | magnitude << shift)·factor`.
-    Fp8 {
-        /// Where the 7 magnitude bits go.
-        shift: u32,
-        /// `2^(127 − bias)`.
-        factor: f32,
-    },
+    /// An fp8 byte ([`Fp8::decode`]).
+    Fp8(Fp8),
 }
 
 impl Book<'_> {
@@ -35,10 +31,7 @@ impl Book<'_> {
     fn value(self, c: u8) -> f32 {
         match self {
             Book::Table(t) => t[usize::from(c & 15)],
-            Book::Fp8 { shift, factor } => {
-                let bits = (u32::from(c & 0x80) << 24) | (u32::from(c & 0x7f) << shift);
-                f32::from_bits(bits) * factor
-            }
+            Book::Fp8(f) => f.decode(c),
         }
     }
 }

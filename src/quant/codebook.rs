@@ -257,7 +257,14 @@ pub(crate) fn encode_group(
                 _ => &[0.9, 1.0, 1.1, 0.0],
             };
             let mut best = (f64::INFINITY, 0.0f32);
-            let mut tmp = [0u8; 256];
+            // The best start's codes (on the stack for groups up to 256).
+            let (mut stack, mut heap) = ([0u8; 256], Vec::new());
+            let keep: &mut [u8] = if codes.len() <= stack.len() {
+                &mut stack[..codes.len()]
+            } else {
+                heap.resize(codes.len(), 0);
+                &mut heap
+            };
             for &f in starts {
                 let d0 = if f == 0.0 { rms } else { f * amax / top };
                 let d = refit(t, fmt, x, d0, codes)?;
@@ -268,17 +275,11 @@ pub(crate) fn encode_group(
                     .sum();
                 if e < best.0 {
                     best = (e, d);
-                    if codes.len() <= tmp.len() {
-                        tmp[..codes.len()].copy_from_slice(codes);
-                    }
+                    keep.copy_from_slice(codes);
                 }
             }
-            if codes.len() <= tmp.len() {
-                codes.copy_from_slice(&tmp[..codes.len()]);
-                Ok(best.1)
-            } else {
-                refit(t, fmt, x, best.1, codes)
-            }
+            codes.copy_from_slice(keep);
+            Ok(best.1)
         }
     }
 }
@@ -434,10 +435,7 @@ impl CodebookCodec {
     /// What the kernels decode with.
     fn book(&self) -> kernels::codebook::Book<'_> {
         match self.fp8 {
-            Some(f) => kernels::codebook::Book::Fp8 {
-                shift: f.shift(),
-                factor: f.factor(),
-            },
+            Some(f) => kernels::codebook::Book::Fp8(f),
             None => kernels::codebook::Book::Table(&self.table),
         }
     }
@@ -515,7 +513,14 @@ impl KvCodec for CodebookCodec {
             l.groups_per_row(),
             l.row_bytes(),
         );
-        let mut tmp = vec![0u8; hd];
+        // One head's codes, on the stack for heads up to 512 channels.
+        let (mut stack, mut heap) = ([0u8; 512], Vec::new());
+        let tmp: &mut [u8] = if hd <= stack.len() {
+            &mut stack[..hd]
+        } else {
+            heap.resize(hd, 0);
+            &mut heap
+        };
         for h in 0..l.n_kv_heads() {
             for g in 0..gpr {
                 let x = &row[h * hd + g * cpg..][..cpg];
@@ -532,7 +537,7 @@ impl KvCodec for CodebookCodec {
                     })?;
                 fmt.write(d, &mut params[(h * gpr + g) * fb..]);
             }
-            crate::pack::pack(&tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
+            crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
         }
         Ok(())
     }

@@ -14,7 +14,7 @@ use crate::store::PackedHead;
 pub(crate) fn takes<S: Simd>(l: &Layout, book: Book<'_>) -> bool {
     let hd = l.head_dim();
     let plane = match (l.scheme().bits(), book) {
-        (8, Book::Fp8 { .. }) => hd,
+        (8, Book::Fp8(_)) => hd,
         (4, Book::Table(_)) => hd / 2,
         (2, Book::Table(_)) => hd / 4,
         (3, Book::Table(_)) => hd / 8,
@@ -164,7 +164,7 @@ pub(crate) unsafe fn run<S: Simd>(
     let nq = if sum { out.len() / hd } else { x.len() / hd };
     let (tbl, fp8) = match book {
         Book::Table(t) => (s.table16(t), None),
-        Book::Fp8 { shift, factor } => (s.table16(&[0.0; 16]), Some((shift, factor))),
+        Book::Fp8(f) => (s.table16(&[0.0; 16]), Some((f.shift(), f.factor()))),
     };
     // Every access to the scratch goes through `scr`.
     let mut buf = vec![0f32; hd];
