@@ -116,13 +116,10 @@ impl SchemeGrid {
                         Some(l) => Codec::codebook(s, l),
                     }
                     .with_rotation(r);
-                    let valid = match c.build(1, 256) {
-                        Ok(_) => true,
-                        Err(Error::InvalidConfig { .. }) => false,
-                        // A shape this head does not take: the planner
-                        // reports it against the captures' shapes.
-                        Err(_) => true,
-                    };
+                    // Only a codebook that refuses its scheme is left out
+                    // here; a shape this head does not take is reported
+                    // against the captures' shapes.
+                    let valid = !matches!(c.build(1, 256), Err(Error::InvalidConfig { .. }));
                     if valid && !out.contains(&c) {
                         out.push(c);
                     }

@@ -526,15 +526,7 @@ impl KvCodec for CodebookCodec {
                 let x = &row[h * hd + g * cpg..][..cpg];
                 let d = self
                     .group(fmt, x, &mut tmp[g * cpg..(g + 1) * cpg])
-                    .map_err(|value| Error::ScaleOverflow {
-                        op: "quantize",
-                        what: "scale",
-                        value,
-                        format: fmt.name(),
-                        token,
-                        head: h,
-                        group: g,
-                    })?;
+                    .map_err(|value| super::overflow(fmt, "scale", value, token, h, g))?;
                 fmt.write(d, &mut params[(h * gpr + g) * fb..]);
             }
             crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
