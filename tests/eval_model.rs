@@ -1489,6 +1489,7 @@ fn every_sweep_grid_builds() {
         GridKind::Ladder,
         GridKind::Trap,
         GridKind::Codebook,
+        GridKind::PreRope,
     ] {
         let g = grid(kind, 0, 0);
         assert!(g[0].is_baseline(), "{kind:?}");

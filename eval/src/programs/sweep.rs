@@ -152,6 +152,10 @@ pub enum GridKind {
     Trap,
     /// The codebook codecs, plain and rotated, with uniform references.
     Codebook,
+    /// Per-channel keys quantized before RoPE (after `k_norm`) or in the
+    /// cache (after RoPE), at 2–4 bits, alone and with per-token values;
+    /// per-token keys as the control.
+    PreRope,
 }
 
 impl std::str::FromStr for GridKind {
@@ -164,8 +168,9 @@ impl std::str::FromStr for GridKind {
             "ladder" => Ok(GridKind::Ladder),
             "trap" => Ok(GridKind::Trap),
             "codebook" => Ok(GridKind::Codebook),
+            "prerope" => Ok(GridKind::PreRope),
             _ => Err(format!(
-                "unknown grid {s:?} (default, full, split, ladder, trap, codebook)"
+                "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope)"
             )),
         }
     }
@@ -349,6 +354,30 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
             }
             return g;
         }
+        GridKind::PreRope => {
+            let g32 = Group::Size(32);
+            for b in [2u8, 3, 4] {
+                for (kname, k, v) in [
+                    (format!("K{b} pc32"), pc(b, g32), None),
+                    (format!("K{b} pt32"), pt(b, g32), None),
+                    (
+                        format!("K{b}/V{b} KIVI pc32/pt32"),
+                        pc(b, g32),
+                        Some(pt(b, g32)),
+                    ),
+                ] {
+                    for (pname, point) in [
+                        ("pre-RoPE", QuantPoint::AfterKNorm),
+                        ("post-RoPE", QuantPoint::AfterRope),
+                    ] {
+                        let mut c = mk(format!("{kname} @{pname}"), Some(k), v);
+                        c.key_point = point;
+                        g.push(c);
+                    }
+                }
+            }
+            return g;
+        }
         GridKind::Trap => {
             for b in [2u8, 3, 4, 6, 8] {
                 for (gname, grp) in [("head", Group::Head), ("32", Group::Size(32))] {
@@ -527,7 +556,7 @@ pub const CSV_COLUMNS: [&str; 14] = [
 pub struct Report {
     /// Model file name.
     pub model: String,
-    /// The grid (`default`, `full`, `split`, `ladder`, `trap`).
+    /// The grid (`default`, `full`, `split`, `ladder`, `trap`, `codebook`, `prerope`).
     pub grid: String,
     /// Tokens per domain.
     pub tokens: usize,

@@ -1,7 +1,10 @@
-//! The codebook kernels' vector loops (see `kernels/codebook.rs`): decode a
-//! row with [`Simd::lut16`] into an L1 scratch, scale it per group, then
-//! dot it with every query or add it into every output.
+//! The codebook kernels' vector loops (see `kernels/codebook.rs`): a tile
+//! of `T` rows decoded with [`Simd::lut16`] and scaled per group into the
+//! uniform kernels' vector-major scratch, then one transposed reduction
+//! per query ([`dot_tile`]) or one broadcast weighted update of every
+//! output vector ([`sum_vectors`]), as the uniform tiles do.
 
+use super::generic::{dot_tile, splat_tile, store_lanes, sum_vectors, Ahead, Buf};
 use super::Simd;
 use crate::kernels::codebook::Book;
 use crate::scheme::Layout;
@@ -41,67 +44,58 @@ pub(crate) fn check(head: &PackedHead<'_>, x: usize, out: usize, sum: bool) {
     assert!(x == xs && out == os, "codebook: lengths");
 }
 
-/// Decode the `hd` codes of `row` ([`takes`] true: 2, 3 or 4 bits with a
-/// table, 8 for fp8) to their values at `scr`, times their group's scale
-/// from `sc` when `cpg` (channels per group) is a multiple of `L` (else
-/// unscaled: the caller scales).
+/// Decode the `hd` codes of `row` (`B` 2, 3 or 4 with a table; 8 for fp8,
+/// `fp8` its shift and factor) to their values, times their group's scale
+/// from `sc` when `SCALED` (groups of `2^gshift` channels, a multiple of
+/// `L`; else unscaled: the caller scales). Vector `j` of the row goes to
+/// `dst + j·stride`. The width and the scaling are compile-time constants
+/// so the loops are straight-line vector code.
 ///
 /// # Safety
-/// `row` valid for `hd·bits/8` bytes, `scr` for `hd` floats.
+/// `row` valid for `hd·B/8` bytes, `dst` for `hd/L` vectors `stride`
+/// floats apart; `hd/L` planes whole vectors ([`takes`]); with `SCALED`,
+/// `sc` holds `hd >> gshift` scales.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn decode_codes<S: Simd>(
+unsafe fn decode_codes<S: Simd, const B: u8, const SCALED: bool>(
     s: S,
     tbl: S::T16,
-    fp8: Option<(u32, f32)>,
+    fp8: (u32, f32),
     row: *const u8,
-    bits: u8,
     hd: usize,
-    (sc, cpg): (&[f32], usize),
-    scr: *mut f32,
+    (sc, gshift): (*const f32, u32),
+    (dst, stride): (*mut f32, usize),
 ) {
-    let whole = cpg.is_multiple_of(S::L);
-    // Group of element `e`: a shift for the usual power-of-two groups.
-    let shift = if cpg.is_power_of_two() {
-        cpg.trailing_zeros()
-    } else {
-        u32::MAX
-    };
     // A macro, not a closure: a closure's body is compiled without the
     // trampoline's target features, so the vector calls in it would not
-    // inline. Every use stores `L` floats at `e + L <= hd` (`scr` holds
-    // `hd`), and `e / cpg` is a group of the row (`sc` has one per group).
+    // inline. Every use stores the `L` floats of elements `e..e + L`
+    // (`e` a multiple of `L`, `e + L <= hd`); `e >> gshift` is a group of
+    // the row.
     macro_rules! put {
         ($e:expr, $v:expr) => {{
             let (e, v) = ($e, $v);
-            let v = if whole {
-                let g = if shift != u32::MAX {
-                    e >> shift
-                } else {
-                    e / cpg
-                };
-                s.mul(v, s.splat(sc[g]))
+            let v = if SCALED {
+                s.mul(v, s.bcast(sc.add(e >> gshift)))
             } else {
                 v
             };
-            s.store(scr.add(e), v)
+            s.store(dst.add(e / S::L * stride), v)
         }};
     }
     // SAFETY: every load reads `L` bytes inside the row's planes and every
-    // store writes `L` floats inside `scr`, by `takes` and the caller's
-    // contract (see `crate::pack` for the plane layout).
+    // store writes vector `e/L < hd/L` of `dst`, by `takes` and the
+    // caller's contract (see `crate::pack` for the plane layout).
     unsafe {
-        if let Some((shift, factor)) = fp8 {
-            let (sh, f) = (shift as i32, s.splat(factor));
-            for j in (0..hd).step_by(S::L) {
-                let v = s.load_u8(row.add(j));
-                let sign = s.shr_mask(v, -24, 0x8000_0000);
-                let mag = s.shr_mask(v, -sh, 0x7f << shift);
-                put!(j, s.mul(s.bits_f32(s.or(sign, mag)), f));
+        match B {
+            8 => {
+                let (sh, f) = (fp8.0 as i32, s.splat(fp8.1));
+                for j in (0..hd).step_by(S::L) {
+                    let v = s.load_u8(row.add(j));
+                    let sign = s.shr_mask(v, -24, 0x8000_0000);
+                    let mag = s.shr_mask(v, -sh, 0x7f << fp8.0);
+                    put!(j, s.mul(s.bits_f32(s.or(sign, mag)), f));
+                }
             }
-            return;
-        }
-        match bits {
             4 => {
                 let m = hd / 2;
                 for j in (0..m).step_by(S::L) {
@@ -139,7 +133,9 @@ unsafe fn decode_codes<S: Simd>(
 }
 
 /// Scores (`sum` false: `out[i·T + t] = x_i·k̂_t`) or the weighted sum
-/// (`out_i += Σ_t x[i·T + t]·v̂_t`) of one codebook head.
+/// (`out_i += Σ_t x[i·T + t]·v̂_t`) of one codebook head, a tile of `T`
+/// tokens at a time: the tile's rows decoded once into the scratch and
+/// shared by every query.
 ///
 /// # Safety
 /// [`check`] and [`takes`] hold for these arguments, and `s` is a token
@@ -163,24 +159,40 @@ pub(crate) unsafe fn run<S: Simd>(
     let tokens = head.tokens();
     let nq = if sum { out.len() / hd } else { x.len() / hd };
     let (tbl, fp8) = match book {
-        Book::Table(t) => (s.table16(t), None),
-        Book::Fp8(f) => (s.table16(&[0.0; 16]), Some((f.shift(), f.factor()))),
+        Book::Table(t) => (s.table16(t), (0, 0.0)),
+        Book::Fp8(f) => (s.table16(&[0.0; 16]), (f.shift(), f.factor())),
     };
-    // Every access to the scratch goes through `scr`.
-    let mut buf = vec![0f32; hd];
-    let scr = buf.as_mut_ptr();
-    let whole = cpg.is_multiple_of(S::L);
+    let nch = hd / S::L;
+    // Vector-major: vector `j` of token `tt` at `(j·T + tt)·L`.
+    let mut scr = Buf::new(S::T * hd);
+    let scr = scr.m().as_mut_ptr();
+    let stride = S::T * S::L;
+    // Scales applied in the decode for groups of whole vectors (a shift
+    // finds the group); by the scalar loop below otherwise.
+    let scaled = cpg.is_multiple_of(S::L) && cpg.is_power_of_two();
+    let gshift = cpg.trailing_zeros();
     let gpr = hd / cpg;
     // f16 scales of a block of tokens widened at once (`L` per load): the
     // per-group reads cost more than the row's decode otherwise.
     const BLOCK: usize = 256;
     let f16 = l.scheme().scale_format() == crate::scheme::ScaleFormat::F16 && !l.shared_params();
     let mut scales = vec![0f32; BLOCK * gpr];
-    for t in 0..tokens {
-        if t % BLOCK == 0 {
-            let n = (tokens - t).min(BLOCK) * gpr;
+    // Decode streams the cache from DRAM: each token asks for the codes
+    // and params `PREFETCH_TOKENS` ahead (the hardware prefetchers stop at
+    // page boundaries), as the uniform tiles do.
+    let (codes, params) = (head.codes().as_ptr(), head.params().as_ptr());
+    let pb = if l.shared_params() {
+        0
+    } else {
+        gpr * l.scheme().param_bytes()
+    };
+    let mut t0 = 0;
+    while t0 < tokens {
+        let n = S::T.min(tokens - t0);
+        if t0 % BLOCK == 0 {
+            let n = (tokens - t0).min(BLOCK) * gpr;
             if f16 {
-                let p = &head.params()[t * gpr * 2..(t * gpr + n) * 2];
+                let p = &head.params()[t0 * gpr * 2..(t0 * gpr + n) * 2];
                 let whole_l = n / S::L * S::L;
                 for k in (0..whole_l).step_by(S::L) {
                     // SAFETY: `2·L` bytes at `2k` lie inside `p` (`k + L <=
@@ -196,49 +208,69 @@ pub(crate) unsafe fn run<S: Simd>(
                 }
             } else {
                 for (k, v) in scales[..n].iter_mut().enumerate() {
-                    *v = head.param(t + k / gpr, k % gpr).0;
+                    *v = head.param(t0 + k / gpr, k % gpr).0;
                 }
             }
         }
-        let sc = &scales[(t % BLOCK) * gpr..][..gpr];
-        // SAFETY: row `t` lies in the codes (checked), `scr` holds `hd`
-        // floats, and every vector access below stays inside `scr`, the
-        // query row `i` (`hd` floats of `x`) or the output row `i` (`hd`
-        // of `out`): `hd` is a multiple of `L` by `takes`.
-        unsafe {
-            let row = head.codes().as_ptr().add(t * rb);
-            decode_codes(s, tbl, fp8, row, bits, hd, (sc, cpg), scr);
-            if !whole {
-                for (g, &v) in sc.iter().enumerate() {
-                    for j in g * cpg..(g + 1) * cpg {
-                        *scr.add(j) *= v;
-                    }
+        let ah = [Ahead::new(codes, rb, t0), Ahead::new(params, pb, t0)];
+        for tt in 0..n {
+            let t = t0 + tt;
+            ah[0].token(tt);
+            ah[1].token(tt);
+            let sc = &scales[(t % BLOCK) * gpr..][..gpr];
+            // SAFETY: row `t` lies in the codes (checked); the scratch
+            // holds `T` rows of `nch` vectors (`hd` a multiple of `L` by
+            // `takes`), row `tt < T` of it starting at `tt·L`; `sc` holds
+            // the row's `hd/cpg` scales.
+            unsafe {
+                let dst = (scr.add(tt * S::L), stride);
+                let (row, scp) = (codes.add(t * rb), (sc.as_ptr(), gshift));
+                macro_rules! go {
+                    ($b:literal) => {
+                        if scaled {
+                            decode_codes::<S, $b, true>(s, tbl, fp8, row, hd, scp, dst)
+                        } else {
+                            decode_codes::<S, $b, false>(s, tbl, fp8, row, hd, scp, dst)
+                        }
+                    };
                 }
-            }
-            if sum {
-                for i in 0..nq {
-                    let w = x[i * tokens + t];
-                    if w == 0.0 {
-                        continue;
-                    }
-                    let (wv, o) = (s.splat(w), out.as_mut_ptr().add(i * hd));
-                    for j in (0..hd).step_by(S::L) {
-                        s.store(o.add(j), s.fma(wv, s.load(scr.add(j)), s.load(o.add(j))));
-                    }
+                match bits {
+                    8 => go!(8),
+                    4 => go!(4),
+                    2 => go!(2),
+                    _ => go!(3),
                 }
-            } else {
-                for i in 0..nq {
-                    let q = x.as_ptr().add(i * hd);
-                    // Four accumulators: one would chain every FMA's
-                    // latency through the row.
-                    let mut acc = [s.zero(); 4];
-                    for (k, j) in (0..hd).step_by(S::L).enumerate() {
-                        acc[k % 4] = s.fma(s.load(q.add(j)), s.load(scr.add(j)), acc[k % 4]);
+                if !scaled {
+                    for (g, &v) in sc.iter().enumerate() {
+                        for e in g * cpg..(g + 1) * cpg {
+                            *dst.0.add(e / S::L * stride + e % S::L) *= v;
+                        }
                     }
-                    let sum = s.add(s.add(acc[0], acc[1]), s.add(acc[2], acc[3]));
-                    out[i * tokens + t] = s.hsum(sum);
                 }
             }
         }
+        for tt in n..S::T {
+            for j in 0..nch {
+                // SAFETY: scratch row `tt < T`, vector `j < nch`.
+                unsafe { s.store(scr.add(j * stride + tt * S::L), s.zero()) };
+            }
+        }
+        for i in 0..nq {
+            // SAFETY: the scratch holds the tile (rows `n..T` zero); query
+            // and output row `i` hold `hd = nch·L` floats (`check`), and
+            // `w` `T` weights.
+            unsafe {
+                if sum {
+                    let mut w = [0f32; 16];
+                    w[..n].copy_from_slice(&x[i * tokens + t0..i * tokens + t0 + n]);
+                    let w = splat_tile(s, w.as_ptr());
+                    sum_vectors(s, scr, 0, nch, &w, out.as_mut_ptr().add(i * hd));
+                } else {
+                    let r = dot_tile(s, scr, nch, x.as_ptr().add(i * hd));
+                    store_lanes(s, r, &mut out[i * tokens + t0..i * tokens + t0 + n]);
+                }
+            }
+        }
+        t0 += n;
     }
 }
