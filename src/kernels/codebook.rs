@@ -173,7 +173,14 @@ impl Kernel for Args<'_, '_> {
         } = self;
         codebook::check(head, x.len(), out.len(), sum);
         // SAFETY: `check` asserted the lengths the loops rely on, `takes`
-        // the row shape; `s` proves the features this body is compiled with.
-        unsafe { codebook::run(s, head, table, x, out, sum) }
+        // the row shape; `HD` is the head's; `s` proves the features this
+        // body is compiled with.
+        unsafe {
+            if head.layout().head_dim() == 128 {
+                codebook::run::<S, 128>(s, head, table, x, out, sum)
+            } else {
+                codebook::run::<S, 0>(s, head, table, x, out, sum)
+            }
+        }
     }
 }

@@ -53,8 +53,9 @@ pub(crate) fn check(head: &PackedHead<'_>, x: usize, out: usize, sum: bool) {
 ///
 /// # Safety
 /// `row` valid for `hd·B/8` bytes, `dst` for `hd/L` vectors `stride`
-/// floats apart; `hd/L` planes whole vectors ([`takes`]); with `SCALED`,
-/// `sc` holds `hd >> gshift` scales.
+/// floats apart; `hd/L`
+/// planes whole vectors ([`takes`]); with `SCALED`, `sc` holds
+/// `hd >> gshift` scales.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn decode_codes<S: Simd, const B: u8, const SCALED: bool>(
@@ -83,8 +84,8 @@ unsafe fn decode_codes<S: Simd, const B: u8, const SCALED: bool>(
         }};
     }
     // SAFETY: every load reads `L` bytes inside the row's planes and every
-    // store writes vector `e/L < hd/L` of `dst`, by `takes` and the
-    // caller's contract (see `crate::pack` for the plane layout).
+    // store is of vector `e/L < hd/L` of `dst`, by `takes` and the caller's contract
+    // (see `crate::pack` for the plane layout).
     unsafe {
         match B {
             8 => {
@@ -132,16 +133,61 @@ unsafe fn decode_codes<S: Simd, const B: u8, const SCALED: bool>(
     }
 }
 
-/// Scores (`sum` false: `out[i·T + t] = x_i·k̂_t`) or the weighted sum
-/// (`out_i += Σ_t x[i·T + t]·v̂_t`) of one codebook head, a tile of `T`
-/// tokens at a time: the tile's rows decoded once into the scratch and
-/// shared by every query.
+/// Decode the `n ≤ T` rows at `rows` (`rb` bytes apart) into the
+/// vector-major scratch (vector `j` of row `tt` at `(j·T + tt)·L`), each
+/// row times its groups' scales (`gpr` per row at `sc`, groups of `cpg`
+/// channels, `2^gshift` when `SCALED`), asking for the streams ahead.
 ///
 /// # Safety
-/// [`check`] and [`takes`] hold for these arguments, and `s` is a token
-/// of this CPU.
+/// `rows` valid for `n` rows of `hd·B/8` bytes; `sc` for `n·gpr` floats;
+/// `scr` for `T·hd` floats; [`takes`] holds.
+#[allow(clippy::type_complexity)]
 #[inline(always)]
-pub(crate) unsafe fn run<S: Simd>(
+unsafe fn decode_tile<S: Simd, const B: u8, const SCALED: bool>(
+    s: S,
+    tbl: S::T16,
+    fp8: (u32, f32),
+    (rows, rb, n, ah): (*const u8, usize, usize, [Ahead; 2]),
+    (sc, gpr, gshift, cpg): (*const f32, usize, u32, usize),
+    hd: usize,
+    scr: *mut f32,
+) {
+    let stride = S::T * S::L;
+    for tt in 0..n {
+        ah[0].token(tt);
+        ah[1].token(tt);
+        // SAFETY: row `tt < n` and its scales are in bounds (the caller's
+        // contract); scratch row `tt < T` starts at `tt·L`.
+        unsafe {
+            let (row, sc, dst) = (rows.add(tt * rb), sc.add(tt * gpr), scr.add(tt * S::L));
+            decode_codes::<S, B, SCALED>(s, tbl, fp8, row, hd, (sc, gshift), (dst, stride));
+            if !SCALED {
+                for g in 0..gpr {
+                    let v = *sc.add(g);
+                    for e in g * cpg..(g + 1) * cpg {
+                        *dst.add(e / S::L * stride + e % S::L) *= v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Scores (`sum` false: `out[i·T + t] = x_i·k̂_t`) or the weighted sum
+/// (`out_i += Σ_t x[i·T + t]·v̂_t`) of one codebook head, a tile of `T`
+/// tokens at a time.
+///
+/// The tile's rows go to the vector-major scratch once and are shared by
+/// every query ([`dot_tile`], [`sum_vectors`]). Decoding into registers
+/// instead, each row multiplied into the queries there (the uniform fused
+/// tiles' way), measured no faster with one query and 1.3x slower with
+/// four. `HD` 128 makes every loop over a row straight-line code.
+///
+/// # Safety
+/// [`check`] and [`takes`] hold for these arguments, `HD` is 0 or the
+/// head dimension, and `s` is a token of this CPU.
+#[inline(always)]
+pub(crate) unsafe fn run<S: Simd, const HD: usize>(
     s: S,
     head: &PackedHead<'_>,
     book: Book<'_>,
@@ -151,7 +197,7 @@ pub(crate) unsafe fn run<S: Simd>(
 ) {
     let l = head.layout();
     let (hd, rb, cpg, bits) = (
-        l.head_dim(),
+        if HD > 0 { HD } else { l.head_dim() },
         l.row_bytes(),
         l.channels_per_group(),
         l.scheme().bits(),
@@ -163,20 +209,20 @@ pub(crate) unsafe fn run<S: Simd>(
         Book::Fp8(f) => (s.table16(&[0.0; 16]), (f.shift(), f.factor())),
     };
     let nch = hd / S::L;
-    // Vector-major: vector `j` of token `tt` at `(j·T + tt)·L`.
-    let mut scr = Buf::new(S::T * hd);
-    let scr = scr.m().as_mut_ptr();
-    let stride = S::T * S::L;
     // Scales applied in the decode for groups of whole vectors (a shift
     // finds the group); by the scalar loop below otherwise.
     let scaled = cpg.is_multiple_of(S::L) && cpg.is_power_of_two();
     let gshift = cpg.trailing_zeros();
     let gpr = hd / cpg;
-    // f16 scales of a block of tokens widened at once (`L` per load): the
-    // per-group reads cost more than the row's decode otherwise.
-    const BLOCK: usize = 256;
+    // Vector-major: vector `j` of token `tt` at `(j·T + tt)·L`.
+    let mut scr = Buf::new(S::T * hd);
+    let scr = scr.m().as_mut_ptr();
+    let stride = S::T * S::L;
+    // The tile's f16 scales widened at once (`L` per load): the per-group
+    // reads cost more than the row's decode otherwise. A tile at a time,
+    // so the widening reads only bytes the prefetch asked for.
     let f16 = l.scheme().scale_format() == crate::scheme::ScaleFormat::F16 && !l.shared_params();
-    let mut scales = vec![0f32; BLOCK * gpr];
+    let mut scales = vec![0f32; S::T * gpr];
     // Decode streams the cache from DRAM: each token asks for the codes
     // and params `PREFETCH_TOKENS` ahead (the hardware prefetchers stop at
     // page boundaries), as the uniform tiles do.
@@ -189,8 +235,8 @@ pub(crate) unsafe fn run<S: Simd>(
     let mut t0 = 0;
     while t0 < tokens {
         let n = S::T.min(tokens - t0);
-        if t0 % BLOCK == 0 {
-            let n = (tokens - t0).min(BLOCK) * gpr;
+        {
+            let n = n * gpr;
             if f16 {
                 let p = &head.params()[t0 * gpr * 2..(t0 * gpr + n) * 2];
                 let whole_l = n / S::L * S::L;
@@ -213,41 +259,24 @@ pub(crate) unsafe fn run<S: Simd>(
             }
         }
         let ah = [Ahead::new(codes, rb, t0), Ahead::new(params, pb, t0)];
-        for tt in 0..n {
-            let t = t0 + tt;
-            ah[0].token(tt);
-            ah[1].token(tt);
-            let sc = &scales[(t % BLOCK) * gpr..][..gpr];
-            // SAFETY: row `t` lies in the codes (checked); the scratch
-            // holds `T` rows of `nch` vectors (`hd` a multiple of `L` by
-            // `takes`), row `tt < T` of it starting at `tt·L`; `sc` holds
-            // the row's `hd/cpg` scales.
-            unsafe {
-                let dst = (scr.add(tt * S::L), stride);
-                let (row, scp) = (codes.add(t * rb), (sc.as_ptr(), gshift));
-                macro_rules! go {
-                    ($b:literal) => {
-                        if scaled {
-                            decode_codes::<S, $b, true>(s, tbl, fp8, row, hd, scp, dst)
-                        } else {
-                            decode_codes::<S, $b, false>(s, tbl, fp8, row, hd, scp, dst)
-                        }
-                    };
-                }
-                match bits {
-                    8 => go!(8),
-                    4 => go!(4),
-                    2 => go!(2),
-                    _ => go!(3),
-                }
-                if !scaled {
-                    for (g, &v) in sc.iter().enumerate() {
-                        for e in g * cpg..(g + 1) * cpg {
-                            *dst.0.add(e / S::L * stride + e % S::L) *= v;
-                        }
+        // SAFETY: rows `t0..t0 + n` lie in the codes (checked); `scales`
+        // holds their `gpr` scales each; the scratch `T` rows of `nch`
+        // vectors (`hd` a multiple of `L` by `takes`).
+        unsafe {
+            let tile = (codes.add(t0 * rb), rb, n, ah);
+            let sc = (scales.as_ptr(), gpr, gshift, cpg);
+            macro_rules! go {
+                ($($b:literal),*) => {
+                    match (bits, scaled) {
+                        $(
+                            ($b, true) => decode_tile::<S, $b, true>(s, tbl, fp8, tile, sc, hd, scr),
+                            ($b, false) => decode_tile::<S, $b, false>(s, tbl, fp8, tile, sc, hd, scr),
+                        )*
+                        _ => unreachable!("codebook: `takes` admits 2, 3, 4 and 8 bits"),
                     }
-                }
+                };
             }
+            go!(2, 3, 4, 8)
         }
         for tt in n..S::T {
             for j in 0..nch {
