@@ -99,7 +99,7 @@ mod simd;
 pub mod store;
 mod views;
 
-pub use cache::{CacheBytes, CacheConfig, KvCache, LayerCache};
+pub use cache::{CacheBytes, CacheConfig, KvCache, LayerCache, Rope, RopeScaling, RopeStyle};
 pub use element::Element;
 pub use error::{Error, Result};
 pub use kernels::Backend;

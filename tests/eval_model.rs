@@ -1490,6 +1490,7 @@ fn every_sweep_grid_builds() {
         GridKind::Trap,
         GridKind::Codebook,
         GridKind::PreRope,
+        GridKind::Budget,
     ] {
         let g = grid(kind, 0, 0);
         assert!(g[0].is_baseline(), "{kind:?}");

@@ -15,6 +15,7 @@ pub struct CacheConfig {
     pub(super) backend: Option<Backend>,
     pub(super) threads: usize,
     pub(super) int8: bool,
+    pub(super) rope: Option<Rope>,
 }
 
 impl CacheConfig {
@@ -33,6 +34,7 @@ impl CacheConfig {
             backend: None,
             threads: 0,
             int8: false,
+            rope: None,
         }
     }
     /// Quantize keys with `scheme` (the uniform grid, [`Codec::uniform`]).
@@ -97,6 +99,27 @@ impl CacheConfig {
     pub fn int8_kernels(mut self, on: bool) -> Self {
         self.int8 = on;
         self
+    }
+    /// Store keys before RoPE: `append`/`extend` take the keys as the
+    /// projection (and any `k_norm`) made them, before the model's `rope`,
+    /// and the cache rotates each key to its position — its index in the
+    /// cache, sinks included — when it scores. Queries stay post-RoPE.
+    /// Per-channel key groups then see channels that RoPE has not turned
+    /// (KVQuant's pre-RoPE keys; `docs/RESULTS.md` measures what it buys).
+    /// [`LayerCache::keys_f32`] returns the stored, pre-RoPE keys.
+    /// [`LayerCache::new`] checks `rope` and rejects a rotated key codec.
+    ///
+    /// Scores of pre-RoPE keys are not fused: each chunk of keys is
+    /// decoded, rotated and scored by the dense kernel
+    /// (`docs/PERFORMANCE.md` gives the cost).
+    pub fn pre_rope(mut self, rope: impl Into<Option<Rope>>) -> Self {
+        self.rope = rope.into();
+        self
+    }
+    /// The RoPE the cache applies to its pre-RoPE keys
+    /// ([`CacheConfig::pre_rope`]; `None`: keys are stored post-RoPE).
+    pub fn rope(&self) -> Option<Rope> {
+        self.rope
     }
     /// Whether `attend` uses the int8 kernels ([`CacheConfig::int8_kernels`]).
     pub fn uses_int8_kernels(&self) -> bool {

@@ -72,12 +72,15 @@ mod attention;
 mod config;
 mod model;
 mod persist;
+mod rope;
 mod tensor;
 
 pub use attention::dense_attention;
 use attention::*;
 pub use config::*;
 pub use model::*;
+use rope::RopeTable;
+pub use rope::{Rope, RopeScaling, RopeStyle};
 use tensor::*;
 
 /// Floats of each of K and V checked and stored at a time by `extend`
@@ -251,6 +254,9 @@ fn query_width(op: &'static str, n_q_heads: usize, hd: usize) -> Result<usize> {
 /// head. Fewer rows read the section in place.
 const DENSE_BLOCK_ROWS: usize = 8;
 
+/// Pre-RoPE keys are decoded and rotated about this many tokens at a time.
+const ROPE_CHUNK: usize = 256;
+
 /// Head `h`'s `n` rows of full-precision `data` (`[n, width]`), contiguous.
 fn head_rows(data: &[f32], width: usize, h: usize, hd: usize, n: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(n * hd);
@@ -297,6 +303,8 @@ pub struct LayerCache {
     len: usize,
     k: Tensor,
     v: Tensor,
+    /// Pre-RoPE keys: the rotation of every cached position.
+    rope: Option<RopeTable>,
     scratch: Scratch,
     backend: Backend,
     threads: usize,
@@ -339,6 +347,17 @@ impl LayerCache {
             .transpose()
         };
         let (lk, lv) = (build(cfg.keys)?, build(cfg.values)?);
+        if let Some(rope) = cfg.rope {
+            rope.check("LayerCache::new", cfg.head_dim)?;
+            if lk.as_ref().is_some_and(|c| c.transforms()) {
+                return Err(Error::InvalidConfig {
+                    op: "LayerCache::new",
+                    what: "pre-RoPE keys cannot be rotated: RoPE is applied to the keys \
+                           as stored, and a rotation mixes their channels"
+                        .into(),
+                });
+            }
+        }
         let threads = match cfg.threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
@@ -348,6 +367,7 @@ impl LayerCache {
             len: 0,
             k: Tensor::new(lk, cfg.n_kv_heads, cfg.head_dim, cfg.sinks, cfg.residual),
             v: Tensor::new(lv, cfg.n_kv_heads, cfg.head_dim, cfg.sinks, cfg.residual),
+            rope: cfg.rope.map(RopeTable::new),
             scratch: Scratch::default(),
             backend: cfg.backend.unwrap_or_else(Backend::detect),
             threads,
@@ -728,6 +748,9 @@ impl LayerCache {
         }
         self.k.compact();
         self.v.compact();
+        if let Some(r) = &mut self.rope {
+            r.ensure(self.len);
+        }
         Ok(())
     }
 
@@ -1104,6 +1127,9 @@ impl LayerCache {
     ) {
         let hd = self.cfg.head_dim;
         let width = b - a;
+        if let Some(rope) = &self.rope {
+            return self.k_scores_rope(rope, h, q, rows, a, b, out, tmp);
+        }
         for sec in self.k.sections(h, a, b) {
             let off = sec.start - a;
             match sec.data {
@@ -1137,6 +1163,59 @@ impl LayerCache {
                             .copy_from_slice(&tmp[i * sec.len..(i + 1) * sec.len]);
                     }
                 }
+            }
+        }
+    }
+
+    /// [`k_scores`](Self::k_scores) of pre-RoPE keys: each section's keys
+    /// decoded (or copied) a chunk at a time, rotated to their positions,
+    /// then scored by the dense kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn k_scores_rope(
+        &self,
+        rope: &RopeTable,
+        h: usize,
+        q: &[f32],
+        rows: usize,
+        a: usize,
+        b: usize,
+        out: &mut [f32],
+        tmp: &mut Vec<f32>,
+    ) {
+        let hd = self.cfg.head_dim;
+        let width = b - a;
+        // Chunks of whole per-channel blocks, about 256 tokens: the rotated
+        // keys stay in L2 between the rotation and the scores.
+        let unit = self.k.unit_or_1();
+        let chunk = ROPE_CHUNK.div_ceil(unit) * unit;
+        let mut keys = Vec::new();
+        for sec in self.k.sections(h, a, b) {
+            let mut t0 = 0;
+            while t0 < sec.len {
+                let t1 = (t0 + chunk).min(sec.len);
+                let n = t1 - t0;
+                let k = uninit_len(&mut keys, n * hd);
+                match &sec.data {
+                    SectionData::Dense(data) => {
+                        for (t, dst) in k.chunks_exact_mut(hd).enumerate() {
+                            dst.copy_from_slice(&data[(t0 + t) * self.k.width + h * hd..][..hd]);
+                        }
+                    }
+                    SectionData::Packed(view) => {
+                        let c = self.k.codec.as_ref().expect("packed tokens have a codec");
+                        c.decode(&sub_view(*view, t0, t1), k);
+                    }
+                }
+                rope.apply_rows(k, hd, sec.start + t0);
+                let s = uninit_len(tmp, rows * n);
+                kernels::dense::scores_f32_on(self.backend, hd, k, q, s)
+                    .expect("lengths are consistent");
+                let off = sec.start - a + t0;
+                for i in 0..rows {
+                    out[i * width + off..i * width + off + n]
+                        .copy_from_slice(&s[i * n..(i + 1) * n]);
+                }
+                t0 = t1;
             }
         }
     }

@@ -82,6 +82,27 @@ struct LayerHeader {
     values: CodecTag,
 }
 
+/// The RoPE of a pre-RoPE cache (32 bytes), after its [`LayerHeader`]
+/// when flag bit 2 is set.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+struct RopeHeader {
+    /// The bits of the `f64` base.
+    base: u64,
+    dims: u32,
+    /// `0` halves (NeoX), `1` adjacent pairs.
+    style: u8,
+    /// `0` none, `1` linear, `2` Llama 3.
+    scaling: u8,
+    reserved: u16,
+    /// Scaling parameters as `f32` bits (zero where unused): the factor,
+    /// Llama 3's low and high frequency factors.
+    factor: u32,
+    low: u32,
+    high: u32,
+    original_max_position: u32,
+}
+
 /// The row counts of one of K or V (24 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
@@ -97,6 +118,7 @@ const _: () = {
     assert!(size_of::<CodecTag>() == 16);
     assert!(size_of::<LayerHeader>() == 72);
     assert!(size_of::<TensorHeader>() == 24);
+    assert!(size_of::<RopeHeader>() == 32);
 };
 
 /// The checksum of a saved stream: 64-bit FNV-1a over every byte before
@@ -288,6 +310,72 @@ fn codec_tag(c: Option<Codec>) -> CodecTag {
     }
 }
 
+fn rope_header(r: &Rope) -> RopeHeader {
+    let f = |x: f64| (x as f32).to_bits().to_le();
+    let (scaling, factor, low, high, original_max_position) = match r.scaling() {
+        RopeScaling::None => (0, 0, 0, 0, 0),
+        RopeScaling::Linear { factor } => (1, f(factor), 0, 0, 0),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        } => (
+            2,
+            f(factor),
+            f(low_freq_factor),
+            f(high_freq_factor),
+            original_max_position.to_le(),
+        ),
+    };
+    RopeHeader {
+        base: r.base().to_bits().to_le(),
+        dims: (r.dims() as u32).to_le(),
+        style: match r.style() {
+            RopeStyle::Halves => 0,
+            RopeStyle::Adjacent => 1,
+        },
+        scaling,
+        reserved: 0,
+        factor,
+        low,
+        high,
+        original_max_position,
+    }
+}
+
+fn header_rope(h: &RopeHeader) -> std::result::Result<Rope, String> {
+    let style = match h.style {
+        0 => RopeStyle::Halves,
+        1 => RopeStyle::Adjacent,
+        x => return Err(format!("RoPE style byte {x}")),
+    };
+    let f = |x: u32| f64::from(f32::from_bits(u32::from_le(x)));
+    let (factor, low, high, n) = (
+        f(h.factor),
+        f(h.low),
+        f(h.high),
+        u32::from_le(h.original_max_position),
+    );
+    let unused = |bits: &[u32]| bits.iter().all(|&b| b == 0);
+    let scaling = match h.scaling {
+        0 if unused(&[h.factor, h.low, h.high, n]) => RopeScaling::None,
+        1 if unused(&[h.low, h.high, n]) => RopeScaling::Linear { factor },
+        2 => RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_position: n,
+        },
+        x => return Err(format!("RoPE scaling byte {x} or its parameters")),
+    };
+    if h.reserved != 0 {
+        return Err("RoPE reserved bytes are not zero".into());
+    }
+    let dims = u32::from_le(h.dims) as usize;
+    Ok(Rope::new(f64::from_bits(u64::from_le(h.base)), dims, style).with_scaling(scaling))
+}
+
 fn tag_codec(t: &CodecTag, what: &str) -> std::result::Result<Option<Codec>, String> {
     let levels = match t.present {
         0 if bytemuck::bytes_of(t).iter().all(|&b| b == 0) => return Ok(None),
@@ -425,13 +513,13 @@ impl LayerCache {
     }
 
     /// Bytes [`save`](Self::save) writes: [`bytes`](Self::bytes) plus the
-    /// headers and the checksum (144 bytes).
+    /// headers and the checksum (144 bytes; 176 with pre-RoPE keys).
     pub fn saved_bytes(&self) -> usize {
         16 + self.layer_saved_bytes() + 8
     }
 
     fn layer_saved_bytes(&self) -> usize {
-        72 + 2 * 24 + self.bytes().total()
+        72 + if self.cfg.rope.is_some() { 32 } else { 0 } + 2 * 24 + self.bytes().total()
     }
 
     /// Write the cache to `w`: configuration, every stored byte, and a
@@ -483,11 +571,17 @@ impl LayerCache {
             residual: usize_u64(c.residual).to_le(),
             len: (self.len as u64).to_le(),
             softmax_scale: c.softmax_scale.map_or(0, f32::to_bits).to_le(),
-            flags: (u32::from(c.softmax_scale.is_some()) | (u32::from(c.int8) << 1)).to_le(),
+            flags: (u32::from(c.softmax_scale.is_some())
+                | (u32::from(c.int8) << 1)
+                | (u32::from(c.rope.is_some()) << 2))
+                .to_le(),
             keys: codec_tag(c.keys),
             values: codec_tag(c.values),
         };
         o.put(bytemuck::bytes_of(&h))?;
+        if let Some(r) = &c.rope {
+            o.put(bytemuck::bytes_of(&rope_header(r)))?;
+        }
         self.k.save(o)?;
         self.v.save(o)
     }
@@ -528,7 +622,11 @@ impl LayerCache {
         threads: usize,
     ) -> Result<Self> {
         let h: LayerHeader = i.pod("a layer header")?;
-        let cfg = layer_config(&h).map_err(|e| i.bad(e))?;
+        let mut cfg = layer_config(&h).map_err(|e| i.bad(e))?;
+        if u32::from_le(h.flags) & 4 != 0 {
+            let r: RopeHeader = i.pod("a RoPE header")?;
+            cfg = cfg.pre_rope(header_rope(&r).map_err(|e| i.bad(e))?);
+        }
         let cfg = match backend {
             Some(b) => cfg.backend(b),
             None => cfg,
@@ -543,6 +641,9 @@ impl LayerCache {
         c.k.load(i, len, hd, "keys")?;
         c.v.load(i, len, hd, "values")?;
         c.len = len;
+        if let Some(r) = &mut c.rope {
+            r.ensure(len);
+        }
         Ok(c)
     }
 }
@@ -595,7 +696,7 @@ fn layer_config(h: &LayerHeader) -> std::result::Result<CacheConfig, String> {
         u32::from_le(h.head_dim) as usize,
     );
     let flags = u32::from_le(h.flags);
-    if flags > 3 {
+    if flags > 7 {
         return Err(format!("layer flags {flags:#x}"));
     }
     let sinks = u64_usize(u64::from_le(h.sinks)).ok_or("sinks do not fit this machine")?;

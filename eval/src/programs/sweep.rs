@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! cargo run --release --example sweep -- [--model smollm2|gemma|PATH]
-//!     [--grid default|full|split|ladder|trap|codebook] [--full] [--tokens N] [--window 512]
+//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget] [--full]
+//!     [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
 //!     [--out results] [--no-fetch] [--only SUBSTR,SUBSTR]
 //! ```
@@ -15,7 +16,9 @@
 //! after `k_proj`, after `k_norm` and in the cache, after RoPE: the
 //! measurement-point trap of a model with `k_norm`), `codebook` (the
 //! codebook codecs — `iq4_nl`, NF4, Lloyd-Max, fp8 — plain and rotated, beside
-//! the uniform grids of the same and half a bit more).
+//! the uniform grids of the same and half a bit more), `prerope` (per-channel
+//! keys quantized before RoPE against in the cache, 2–4 bits), `budget`
+//! (per-channel keys with rotated Lloyd-Max values at 4.25–5 bits).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
 //! (pip + apt, checked by sha256). For every domain and configuration it
@@ -152,6 +155,11 @@ pub enum GridKind {
     Trap,
     /// The codebook codecs, plain and rotated, with uniform references.
     Codebook,
+    /// Caches at 4.25–5 effective bits built from the best parts below 5
+    /// bits: per-channel keys (groups of 32–128 tokens, 4 and 5 bits) with
+    /// rotated Lloyd-Max values (3 and 4 bits, groups of 32 and 64), keys
+    /// in the cache (after RoPE) and quantized before RoPE.
+    Budget,
     /// Per-channel keys quantized before RoPE (after `k_norm`) or in the
     /// cache (after RoPE), at 2–4 bits, alone and with per-token values;
     /// per-token keys as the control.
@@ -169,8 +177,9 @@ impl std::str::FromStr for GridKind {
             "trap" => Ok(GridKind::Trap),
             "codebook" => Ok(GridKind::Codebook),
             "prerope" => Ok(GridKind::PreRope),
+            "budget" => Ok(GridKind::Budget),
             _ => Err(format!(
-                "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope)"
+                "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope, budget)"
             )),
         }
     }
@@ -351,6 +360,51 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
                 let mut c = cb(&format!("K{kb} pc32 / H·V {name}"), (pc(kb, g32), None), v);
                 c.spec.value_rotation = Rotation::Hadamard;
                 g.push(c);
+            }
+            return g;
+        }
+        GridKind::Budget => {
+            let gauss = |b, grp| {
+                let v = pt(b, grp)
+                    .with_mode(kvq::Mode::Symmetric)
+                    .expect("symmetric grid schemes are valid");
+                (v, Some(Levels::Gauss))
+            };
+            g.push(mk(
+                "K4/V4 KIVI pc32/pt32".into(),
+                Some(pc(4, Group::Size(32))),
+                Some(pt(4, Group::Size(32))),
+            ));
+            let (g32, g64) = (Group::Size(32), Group::Size(64));
+            for (kb, kg, vb, vg) in [
+                (4u8, 32usize, 4u8, g32),
+                (4, 32, 4, g64),
+                (4, 64, 4, g32),
+                (4, 128, 4, g32),
+                (4, 32, 3, g32),
+                (5, 64, 3, g32),
+                (5, 32, 3, g64),
+            ] {
+                let vname = match vg {
+                    Group::Size(n) => format!("pt{n}"),
+                    _ => unreachable!("value groups are sizes"),
+                };
+                let mut c = mk(
+                    format!("K{kb} pc{kg} / H·V gauss{vb} {vname}"),
+                    Some(pc(kb, Group::Size(kg))),
+                    None,
+                );
+                let (v, l) = gauss(vb, vg);
+                c.spec.values = Some(v);
+                c.spec.value_levels = l;
+                c.spec.value_rotation = Rotation::Hadamard;
+                // The same keys quantized before RoPE (per-channel groups
+                // then see channels that RoPE has not rotated).
+                let mut pre = c.clone();
+                pre.name = format!("{} @pre-RoPE", c.name);
+                pre.key_point = QuantPoint::AfterKNorm;
+                g.push(c);
+                g.push(pre);
             }
             return g;
         }
@@ -556,7 +610,7 @@ pub const CSV_COLUMNS: [&str; 14] = [
 pub struct Report {
     /// Model file name.
     pub model: String,
-    /// The grid (`default`, `full`, `split`, `ladder`, `trap`, `codebook`, `prerope`).
+    /// The grid (`default`, `full`, `split`, `ladder`, `trap`, `codebook`, `prerope`, `budget`).
     pub grid: String,
     /// Tokens per domain.
     pub tokens: usize,

@@ -1,0 +1,334 @@
+//! Rotary position embeddings applied by the cache, for keys stored before
+//! RoPE ([`CacheConfig::pre_rope`]).
+//!
+//! RoPE rotates each pair of a head's channels by an angle that grows with
+//! the token's position, so after RoPE a channel's values swing with
+//! position and a per-channel group of tokens sees a wider range than the
+//! channel itself has. Stored before RoPE, the groups see the channels
+//! as the projection made them (KVQuant's pre-RoPE keys); the cache
+//! rotates each key by its own position when it scores, so queries stay
+//! post-RoPE as usual.
+
+use super::*;
+
+/// Which channels of a head RoPE pairs up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RopeStyle {
+    /// `(i, i + dims/2)`: the two halves of the rotary channels ("NeoX",
+    /// Hugging Face's `rotate_half`; ggml's NeoX mode: Qwen, Gemma, Phi).
+    Halves,
+    /// `(2i, 2i + 1)`: adjacent channels (GPT-J; ggml's normal mode, which
+    /// GGUF `llama` weights are permuted for).
+    Adjacent,
+}
+
+/// How the model stretches RoPE's frequencies for long contexts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum RopeScaling {
+    /// The frequencies as they are.
+    None,
+    /// Positions divided by `factor` (every frequency divided by it).
+    Linear {
+        /// The divisor (≥ 1 in practice; positive and finite).
+        factor: f64,
+    },
+    /// Llama 3.1's piecewise scaling: wavelengths shorter than
+    /// `original_max_position / high_freq_factor` kept, longer than
+    /// `original_max_position / low_freq_factor` divided by `factor`,
+    /// blended in between.
+    Llama3 {
+        /// Divisor of the low frequencies (8 for Llama 3.1).
+        factor: f64,
+        /// 1 for Llama 3.1.
+        low_freq_factor: f64,
+        /// 4 for Llama 3.1.
+        high_freq_factor: f64,
+        /// The pre-training context (8192 for Llama 3.1).
+        original_max_position: u32,
+    },
+}
+
+/// The model's rotary position embedding: `base` (θ, e.g. 10000 or
+/// 500000), the number of rotary channels at the start of each head
+/// (`dims`, even, at most `head_dim`; partial rotary leaves the rest), the
+/// pairing and the frequency scaling. Pair `i` at position `p` turns by
+/// `p·f_i`, `f_i = base^(−2i/dims)` (then scaled):
+/// `(a, b) ↦ (a·cos − b·sin, a·sin + b·cos)`.
+///
+/// ```
+/// use kvq::{Rope, RopeStyle};
+/// let rope = Rope::new(10_000.0, 4, RopeStyle::Halves);
+/// let mut k = [1.0f32, 0.0, 0.0, 0.0];
+/// rope.apply(&mut k, 4, 1);
+/// // Pair 0 (channels 0 and 2) turns by one radian at position 1.
+/// assert!((k[0] - 1f32.cos()).abs() < 1e-6 && (k[2] - 1f32.sin()).abs() < 1e-6);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rope {
+    base: f64,
+    dims: usize,
+    style: RopeStyle,
+    scaling: RopeScaling,
+}
+
+impl Rope {
+    /// RoPE with `base`, `dims` rotary channels per head and `style`, no
+    /// scaling (checked by [`LayerCache::new`]).
+    pub fn new(base: f64, dims: usize, style: RopeStyle) -> Rope {
+        Rope {
+            base,
+            dims,
+            style,
+            scaling: RopeScaling::None,
+        }
+    }
+
+    /// The same with `scaling`.
+    pub fn with_scaling(mut self, scaling: RopeScaling) -> Rope {
+        self.scaling = scaling;
+        self
+    }
+
+    /// θ.
+    pub fn base(&self) -> f64 {
+        self.base
+    }
+    /// Rotary channels per head.
+    pub fn dims(&self) -> usize {
+        self.dims
+    }
+    /// The pairing.
+    pub fn style(&self) -> RopeStyle {
+        self.style
+    }
+    /// The frequency scaling.
+    pub fn scaling(&self) -> RopeScaling {
+        self.scaling
+    }
+
+    /// Check the parameters against a head of `head_dim` channels.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for `dims` zero, odd or above `head_dim`, a
+    /// base that is not finite and above 1, or scaling factors that are not
+    /// positive and finite (Llama 3: `high_freq_factor > low_freq_factor`,
+    /// a positive original context).
+    pub fn check(&self, op: &'static str, head_dim: usize) -> Result<()> {
+        let bad = |what: String| Err(Error::InvalidConfig { op, what });
+        if self.dims == 0 || !self.dims.is_multiple_of(2) || self.dims > head_dim {
+            return bad(format!(
+                "RoPE dims {} must be even, positive and at most head_dim {head_dim}",
+                self.dims
+            ));
+        }
+        if !(self.base.is_finite() && self.base > 1.0) {
+            return bad(format!(
+                "RoPE base {} must be finite and above 1",
+                self.base
+            ));
+        }
+        let pos = |x: f64| x.is_finite() && x > 0.0;
+        match self.scaling {
+            RopeScaling::None => Ok(()),
+            RopeScaling::Linear { factor } if pos(factor) => Ok(()),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: lo,
+                high_freq_factor: hi,
+                original_max_position: n,
+            } if pos(factor) && pos(lo) && pos(hi) && hi > lo && n > 0 => Ok(()),
+            s => bad(format!("RoPE scaling {s:?} is not valid")),
+        }
+    }
+
+    /// The `dims/2` frequencies `f_i`, scaled.
+    pub fn inv_freq(&self) -> Vec<f64> {
+        let half = self.dims / 2;
+        (0..half)
+            .map(|i| {
+                let f = self.base.powf(-2.0 * i as f64 / self.dims as f64);
+                match self.scaling {
+                    RopeScaling::None => f,
+                    RopeScaling::Linear { factor } => f / factor,
+                    RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor: lo,
+                        high_freq_factor: hi,
+                        original_max_position: n,
+                    } => {
+                        let n = f64::from(n);
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < n / hi {
+                            f
+                        } else if wavelen > n / lo {
+                            f / factor
+                        } else {
+                            let smooth = (n / wavelen - lo) / (hi - lo);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// The channel pairs `(a, b)` of a head, `dims/2` of them.
+    fn pair(&self, i: usize) -> (usize, usize) {
+        match self.style {
+            RopeStyle::Halves => (i, i + self.dims / 2),
+            RopeStyle::Adjacent => (2 * i, 2 * i + 1),
+        }
+    }
+
+    /// Rotate every head of `row` (`head_dim` channels each) to `position`,
+    /// angles in `f64` — the reference the cache's own rotation is tested
+    /// against, and what an engine applies to its queries.
+    ///
+    /// # Panics
+    /// If `row` is not a whole number of heads or `dims > head_dim`.
+    pub fn apply(&self, row: &mut [f32], head_dim: usize, position: usize) {
+        assert!(
+            head_dim >= self.dims && row.len().is_multiple_of(head_dim),
+            "Rope::apply: rows of whole heads"
+        );
+        let p = position as f64;
+        let cs: Vec<(f32, f32)> = self
+            .inv_freq()
+            .iter()
+            .map(|&f| {
+                let (s, c) = (p * f).sin_cos();
+                (c as f32, s as f32)
+            })
+            .collect();
+        for head in row.chunks_exact_mut(head_dim) {
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let (a, b) = self.pair(i);
+                let (x, y) = (head[a], head[b]);
+                head[a] = x * c - y * s;
+                head[b] = x * s + y * c;
+            }
+        }
+    }
+}
+
+/// Positions per entry of the coarse table.
+const LO: usize = 256;
+
+/// `cos`/`sin` of every position's angles, as the product of a fine table
+/// (positions `0..256`) and a coarse one (multiples of 256, grown with the
+/// cache): `cos(A + B) = cos A·cos B − sin A·sin B`. Both tables hold `f32`
+/// roundings of angles computed in `f64`, so a position's rotation is
+/// within a few `f32` ulps of the exact one at any context length (an
+/// angle `p·f` formed in `f32` loses `p·2^−24` radians).
+#[derive(Debug, Clone)]
+pub(super) struct RopeTable {
+    rope: Rope,
+    inv_freq: Vec<f64>,
+    /// `[LO, half]`.
+    lo: (Vec<f32>, Vec<f32>),
+    /// `[n, half]` for positions `0, LO, 2·LO, …`.
+    hi: (Vec<f32>, Vec<f32>),
+}
+
+impl RopeTable {
+    pub(super) fn new(rope: Rope) -> RopeTable {
+        let inv_freq = rope.inv_freq();
+        let mut t = RopeTable {
+            rope,
+            lo: (Vec::new(), Vec::new()),
+            hi: (Vec::new(), Vec::new()),
+            inv_freq,
+        };
+        for p in 0..LO {
+            Self::push(&t.inv_freq, p as f64, &mut t.lo);
+        }
+        t
+    }
+
+    fn push(inv_freq: &[f64], p: f64, (c, s): &mut (Vec<f32>, Vec<f32>)) {
+        for &f in inv_freq {
+            let (sin, cos) = (p * f).sin_cos();
+            c.push(cos as f32);
+            s.push(sin as f32);
+        }
+    }
+
+    /// Cover positions `0..len`.
+    pub(super) fn ensure(&mut self, len: usize) {
+        let half = self.inv_freq.len();
+        let have = self.hi.0.len() / half.max(1);
+        for k in have..len.div_ceil(LO) {
+            Self::push(&self.inv_freq, (k * LO) as f64, &mut self.hi);
+        }
+    }
+
+    /// Rotate `n` rows of one head (`hd` channels each, `rows` holding
+    /// `n·hd`) to positions `p0..p0 + n`.
+    ///
+    /// # Panics
+    /// If the table does not cover `p0 + n − 1` ([`ensure`](Self::ensure)).
+    pub(super) fn apply_rows(&self, rows: &mut [f32], hd: usize, p0: usize) {
+        let half = self.inv_freq.len();
+        let (mut c, mut s) = (vec![0f32; half], vec![0f32; half]);
+        for (t, row) in rows.chunks_exact_mut(hd).enumerate() {
+            let p = p0 + t;
+            let (h, l) = ((p / LO) * half, (p % LO) * half);
+            let (hc, hs) = (&self.hi.0[h..h + half], &self.hi.1[h..h + half]);
+            let (lc, ls) = (&self.lo.0[l..l + half], &self.lo.1[l..l + half]);
+            for i in 0..half {
+                c[i] = hc[i] * lc[i] - hs[i] * ls[i];
+                s[i] = hs[i] * lc[i] + hc[i] * ls[i];
+            }
+            match self.rope.style {
+                RopeStyle::Halves => {
+                    let (x, y) = row[..2 * half].split_at_mut(half);
+                    for i in 0..half {
+                        let (a, b) = (x[i], y[i]);
+                        x[i] = a * c[i] - b * s[i];
+                        y[i] = a * s[i] + b * c[i];
+                    }
+                }
+                RopeStyle::Adjacent => {
+                    for (i, pair) in row[..2 * half].chunks_exact_mut(2).enumerate() {
+                        let (a, b) = (pair[0], pair[1]);
+                        pair[0] = a * c[i] - b * s[i];
+                        pair[1] = a * s[i] + b * c[i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_matches_the_reference_rotation_at_long_positions() {
+        for style in [RopeStyle::Halves, RopeStyle::Adjacent] {
+            let hd = 128;
+            let rope = Rope::new(500_000.0, hd, style);
+            let mut t = RopeTable::new(rope);
+            let p0 = 1_000_000 - 300;
+            t.ensure(p0 + 600);
+            let rows: Vec<f32> = (0..600 * hd)
+                .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+                .collect();
+            let mut got = rows.clone();
+            t.apply_rows(&mut got, hd, p0);
+            let mut worst = 0f32;
+            for (i, (g, r)) in got.chunks_exact(hd).zip(rows.chunks_exact(hd)).enumerate() {
+                let mut want = r.to_vec();
+                rope.apply(&mut want, hd, p0 + i);
+                for (a, b) in g.iter().zip(&want) {
+                    worst = worst.max((a - b).abs());
+                }
+            }
+            // Values of magnitude ≤ 1: within a few f32 ulps of 1.
+            assert!(worst < 1e-6, "{style:?}: {worst}");
+        }
+    }
+}
