@@ -939,6 +939,66 @@ fn gemma_prefill_equals_decode_on_dense_and_kvq_stores() {
 }
 
 #[test]
+fn pre_rope_kvq_store_equals_dense_and_the_k_norm_round_trip() {
+    use kvq::{Axis, Group, QuantScheme};
+    use kvq_eval::kvq_store::{CacheSpec, CodecRoundTrip, KvqStore};
+    for m in [
+        Model::random(tiny_config(RopeStyle::Adjacent), 5, true),
+        tiny_gemma(5, 3),
+    ] {
+        let toks = tokens(32, m.cfg.vocab_size, 8);
+        let a = prefill_logits(&m, &toks, &mut Hooks::default());
+        let scale = a.iter().fold(0.0f32, |s, v| s.max(v.abs()));
+        // Full precision: the cache's RoPE is the model's.
+        let pre = CacheSpec {
+            pre_rope: true,
+            ..CacheSpec::FULL
+        };
+        assert!(
+            KvqStore::new(2, 2, 8, pre).is_err(),
+            "needs the model's RoPE"
+        );
+        let mut store = KvqStore::for_model(&m.cfg, pre).unwrap();
+        let k = window_logits(&m, &toks, &mut store, &mut Hooks::default()).unwrap();
+        assert!(
+            max_abs_diff(&a, &k) <= 2e-5 * scale,
+            "{:?} prefill",
+            m.cfg.rope_style
+        );
+        store.reset();
+        let mut decoded = Vec::new();
+        for (i, &t) in toks.iter().enumerate() {
+            let h = m.forward(&[t], i, &mut store, &mut Hooks::default());
+            decoded.extend(m.logits(h.unwrap().view()).iter());
+        }
+        assert!(max_abs_diff(&a, &decoded) <= 2e-5 * scale, "decode");
+        // Quantized: per-channel keys in the pre-RoPE cache are the keys a
+        // round trip after k_norm gives (32 tokens: whole blocks of 8).
+        let k4 = QuantScheme::new(4, Axis::PerChannel, Group::Size(8)).unwrap();
+        let spec = CacheSpec {
+            keys: Some(k4),
+            ..pre
+        };
+        let mut store = KvqStore::for_model(&m.cfg, spec).unwrap();
+        let cached = window_logits(&m, &toks, &mut store, &mut Hooks::default()).unwrap();
+        let rt = CodecRoundTrip(spec.key_codec().unwrap());
+        let mut hooks = Hooks {
+            k: Some((QuantPoint::AfterKNorm, &rt)),
+            ..Hooks::default()
+        };
+        let simulated = prefill_logits(&m, &toks, &mut hooks);
+        assert!(
+            max_abs_diff(&cached, &simulated) <= 2e-5 * scale,
+            "quantized"
+        );
+        assert!(
+            max_abs_diff(&cached, &a) > 1e-4 * scale,
+            "4-bit keys change the logits"
+        );
+    }
+}
+
+#[test]
 fn sliding_window_bounds_what_a_position_sees() {
     // Only local layers: with 3 layers of window 4, position p depends on
     // tokens p-9 ..= p, so changing token 0 leaves positions >= 10 exactly

@@ -125,6 +125,7 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             int8: false,
             key_levels: None,
             value_levels: None,
+            pre_rope: false,
         };
         let mut store = KvqStore::new(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, spec).unwrap();
         let (q, kl) = perplexity_kl(

@@ -2,7 +2,7 @@
 //! [`kvq::KvCache`] exactly where an engine stores them (post-RoPE keys,
 //! `v_proj` values), and attention runs on the fused kernels.
 
-use crate::model::{KvStore, RoundTrip};
+use crate::model::{Config, KvStore, RoundTrip};
 use kvq::{CacheConfig, Codec, KvCache, Levels, QuantScheme, Rotation};
 
 /// A codec's quantize-dequantize round trip, for [`crate::model::Hooks`]:
@@ -51,6 +51,10 @@ pub struct CacheSpec {
     pub key_levels: Option<Levels>,
     /// A codebook on the value scheme's storage.
     pub value_levels: Option<Levels>,
+    /// Keys stored before RoPE, rotated by the cache when it scores
+    /// ([`CacheConfig::pre_rope`]; needs the model's RoPE, so build the
+    /// store with [`KvqStore::for_model`]).
+    pub pre_rope: bool,
 }
 
 impl CacheSpec {
@@ -65,6 +69,7 @@ impl CacheSpec {
         int8: false,
         key_levels: None,
         value_levels: None,
+        pre_rope: false,
     };
 
     /// The key codec (`None`: full precision).
@@ -87,6 +92,15 @@ fn codec(s: QuantScheme, levels: Option<Levels>) -> Codec {
     }
 }
 
+fn layer_config(n_kv_heads: usize, head_dim: usize, spec: &CacheSpec) -> CacheConfig {
+    CacheConfig::new(n_kv_heads, head_dim)
+        .key_codec(spec.key_codec())
+        .value_codec(spec.value_codec())
+        .residual(spec.residual)
+        .sinks(spec.sinks)
+        .int8_kernels(spec.int8)
+}
+
 /// A kvq cache for every layer of a model.
 #[derive(Debug, Clone)]
 pub struct KvqStore {
@@ -94,21 +108,41 @@ pub struct KvqStore {
 }
 
 impl KvqStore {
-    /// One layer cache per model layer, all with `spec`.
+    /// One layer cache per model layer, all with `spec` (which must keep
+    /// keys post-RoPE: see [`KvqStore::for_model`]).
+    ///
+    /// # Errors
+    /// As [`KvCache::uniform`]; [`kvq::Error::InvalidConfig`] for a
+    /// pre-RoPE `spec`.
     pub fn new(
         n_layers: usize,
         n_kv_heads: usize,
         head_dim: usize,
         spec: CacheSpec,
     ) -> Result<Self, kvq::Error> {
-        let cfg = CacheConfig::new(n_kv_heads, head_dim)
-            .key_codec(spec.key_codec())
-            .value_codec(spec.value_codec())
-            .residual(spec.residual)
-            .sinks(spec.sinks)
-            .int8_kernels(spec.int8);
+        if spec.pre_rope {
+            return Err(kvq::Error::InvalidConfig {
+                op: "KvqStore::new",
+                what: "pre-RoPE keys need the model's RoPE (KvqStore::for_model)".into(),
+            });
+        }
         Ok(KvqStore {
-            cache: KvCache::uniform(n_layers, cfg)?,
+            cache: KvCache::uniform(n_layers, layer_config(n_kv_heads, head_dim, &spec))?,
+        })
+    }
+
+    /// One layer cache per layer of the model `cfg`, all with `spec`; with
+    /// `spec.pre_rope` each layer rotates its keys with that layer's RoPE
+    /// ([`Config::kvq_rope`]).
+    ///
+    /// # Errors
+    /// As [`KvCache::new`].
+    pub fn for_model(cfg: &Config, spec: CacheSpec) -> Result<Self, kvq::Error> {
+        let base = layer_config(cfg.n_kv_heads, cfg.head_dim, &spec);
+        let layers =
+            (0..cfg.n_layers).map(|l| base.pre_rope(spec.pre_rope.then(|| cfg.kvq_rope(l))));
+        Ok(KvqStore {
+            cache: KvCache::new(layers)?,
         })
     }
 
@@ -119,6 +153,10 @@ impl KvqStore {
 }
 
 impl KvStore for KvqStore {
+    fn pre_rope_keys(&self, layer: usize) -> bool {
+        self.cache.layer(layer).config().rope().is_some()
+    }
+
     fn extend(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), String> {
         self.cache
             .layer_mut(layer)

@@ -270,6 +270,16 @@ impl Config {
             _ => self.rope_base,
         }
     }
+
+    /// Layer `l`'s RoPE as a kvq cache applies it to pre-RoPE keys
+    /// ([`kvq::CacheConfig::pre_rope`]).
+    pub fn kvq_rope(&self, l: usize) -> kvq::Rope {
+        let style = match self.rope_style {
+            RopeStyle::Adjacent => kvq::RopeStyle::Adjacent,
+            RopeStyle::Halves => kvq::RopeStyle::Halves,
+        };
+        kvq::Rope::new(self.layer_rope_base(l), self.rope_dim, style)
+    }
 }
 
 /// Weights of one transformer block. Matrices are `[out, in]` (GGUF order).
@@ -380,7 +390,8 @@ pub struct Hooks<'a> {
 
 /// Where a KV cache stores keys/values and computes attention.
 ///
-/// Keys arrive post-RoPE. Row-major layouts: one token is one row of
+/// Keys arrive post-RoPE unless the store asks for them before
+/// ([`KvStore::pre_rope_keys`]). Row-major layouts: one token is one row of
 /// `n_kv_heads*head_dim` (K, V) or `n_q_heads*head_dim` (Q, output) floats,
 /// heads contiguous inside a row. Query head `h` attends with key/value head
 /// `h / (n_q_heads / n_kv_heads)`. The softmax scale is `1/sqrt(head_dim)`.
@@ -388,7 +399,13 @@ pub struct Hooks<'a> {
 /// `window = Some(w)` (a sliding-window layer) limits every query to the
 /// last `w` positions up to its own, its own included.
 pub trait KvStore {
-    /// Append a block of `n` tokens for one layer: `k`, `v` are `[n, n_kv*head_dim]`.
+    /// Whether layer `layer` takes its keys before RoPE (and rotates them
+    /// itself); default no.
+    fn pre_rope_keys(&self, _layer: usize) -> bool {
+        false
+    }
+    /// Append a block of `n` tokens for one layer: `k`, `v` are `[n, n_kv*head_dim]`
+    /// (keys post-RoPE unless [`KvStore::pre_rope_keys`]).
     fn extend(&mut self, layer: usize, k: &[f32], v: &[f32]) -> std::result::Result<(), String>;
     /// Causal attention of the last `n` appended positions (the queries' own):
     /// `q` is `[n, n_q*head_dim]`, `out` likewise.
@@ -952,7 +969,8 @@ impl Model {
                 rms_norm_chunks(ks, kn, cfg.rms_eps);
             }
             round_trip_k(QuantPoint::AfterKNorm, ks)?;
-            let k_pre_rope = hooks.observer.as_ref().map(|_| ks.to_vec());
+            let pre_rope_store = store.pre_rope_keys(l);
+            let k_pre_rope = (hooks.observer.is_some() || pre_rope_store).then(|| ks.to_vec());
             self.apply_rope(qs, cfg.q_width(), pos0, l);
             self.apply_rope(ks, cfg.kv_width(), pos0, l);
             round_trip_k(QuantPoint::AfterRope, ks)?;
@@ -968,7 +986,10 @@ impl Model {
                     },
                 );
             }
-            store.extend(l, ks, vs)?;
+            match (&k_pre_rope, pre_rope_store) {
+                (Some(k), true) => store.extend(l, k, vs)?,
+                _ => store.extend(l, ks, vs)?,
+            }
             let window = cfg.layer_window(l);
             if n == 1 {
                 store.attend(l, qs, cfg.n_heads, window, &mut attn)?;

@@ -17,7 +17,7 @@
 //! measurement-point trap of a model with `k_norm`), `codebook` (the
 //! codebook codecs — `iq4_nl`, NF4, Lloyd-Max, fp8 — plain and rotated, beside
 //! the uniform grids of the same and half a bit more), `prerope` (per-channel
-//! keys quantized before RoPE against in the cache, 2–4 bits), `budget`
+//! keys stored before RoPE against after it, 2–4 bits), `budget`
 //! (per-channel keys with rotated Lloyd-Max values at 4.25–5 bits).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
@@ -44,9 +44,9 @@ use clap::Parser;
 use kvq::{Axis, Codec, Group, Levels, QuantScheme, Rotation};
 use serde::Serialize;
 
-use crate::capture::Capture;
+use crate::capture::{Capture, LayerCapture};
 use crate::kvq_store::{CacheSpec, CodecRoundTrip, KvqStore};
-use crate::model::{Hooks, QuantPoint};
+use crate::model::{Hooks, Model, QuantPoint};
 use crate::ppl::{
     capture_window, perplexity_kl, with_bos, EvalPath, Kl, KlReport, PplOptions, Reference,
 };
@@ -158,11 +158,11 @@ pub enum GridKind {
     /// Caches at 4.25–5 effective bits built from the best parts below 5
     /// bits: per-channel keys (groups of 32–128 tokens, 4 and 5 bits) with
     /// rotated Lloyd-Max values (3 and 4 bits, groups of 32 and 64), keys
-    /// in the cache (after RoPE) and quantized before RoPE.
+    /// in the cache after RoPE and stored before it.
     Budget,
-    /// Per-channel keys quantized before RoPE (after `k_norm`) or in the
-    /// cache (after RoPE), at 2–4 bits, alone and with per-token values;
-    /// per-token keys as the control.
+    /// Keys stored before RoPE ([`CacheSpec::pre_rope`]) or after it, at
+    /// 2–4 bits, per-channel alone and with per-token values; per-token
+    /// keys as the control.
     PreRope,
 }
 
@@ -240,6 +240,7 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
             int8: false,
             key_levels: None,
             value_levels: None,
+            pre_rope: false,
         },
     };
     let rotated = |mut c: Config| {
@@ -398,11 +399,11 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
                 c.spec.values = Some(v);
                 c.spec.value_levels = l;
                 c.spec.value_rotation = Rotation::Hadamard;
-                // The same keys quantized before RoPE (per-channel groups
+                // The same keys stored before RoPE (per-channel groups
                 // then see channels that RoPE has not rotated).
                 let mut pre = c.clone();
                 pre.name = format!("{} @pre-RoPE", c.name);
-                pre.key_point = QuantPoint::AfterKNorm;
+                pre.spec.pre_rope = true;
                 g.push(c);
                 g.push(pre);
             }
@@ -420,12 +421,9 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
                         Some(pt(b, g32)),
                     ),
                 ] {
-                    for (pname, point) in [
-                        ("pre-RoPE", QuantPoint::AfterKNorm),
-                        ("post-RoPE", QuantPoint::AfterRope),
-                    ] {
+                    for (pname, pre) in [("pre-RoPE", true), ("post-RoPE", false)] {
                         let mut c = mk(format!("{kname} @{pname}"), Some(k), v);
-                        c.key_point = point;
+                        c.spec.pre_rope = pre;
                         g.push(c);
                     }
                 }
@@ -676,7 +674,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         let mut reference = Reference::default();
         for c in &configs {
             let (store_spec, hook) = c.store_and_hook();
-            let mut store = KvqStore::new(n_layers, n_kv, hd, store_spec)?;
+            let mut store = KvqStore::for_model(&model.cfg, store_spec)?;
             let mut hooks = Hooks {
                 k: hook
                     .as_ref()
@@ -715,10 +713,17 @@ pub fn run(args: Args) -> Result<(), BoxError> {
                 delta_ppl: ppl - b,
                 ppl_second_half: ppl2,
                 delta_ppl_second_half: ppl2 - b2,
-                // The capture holds post-RoPE keys: the attention KL of
-                // keys quantized elsewhere is not defined on it.
-                attention_kl: match hook {
+                // Keys quantized before RoPE are scored on the capture's
+                // pre-RoPE keys; after `k_proj` of a model with `k_norm`
+                // the capture has no keys to compare.
+                attention_kl: match hook.as_ref().map(|h| h.0) {
+                    None if c.spec.pre_rope => {
+                        attention_kl_pre_rope(&cap, &c.spec, &model, n_q, n_kv, hd)?
+                    }
                     None => attention_kl(&cap, &c.spec, n_q, n_kv, hd)?,
+                    Some(QuantPoint::AfterKNorm) => {
+                        attention_kl_pre_rope(&cap, &c.spec, &model, n_q, n_kv, hd)?
+                    }
                     Some(_) => f64::NAN,
                 },
                 kl_mean: klr.mean,
@@ -851,7 +856,8 @@ pub fn svg(model: &str, rows: &[Row]) -> Result<String, String> {
 /// Mean attention KL (nats per query position and head, over all layers)
 /// between exact attention and attention over K/V quantized with `spec`
 /// (every token quantized: no residual window), on the captured first
-/// window with a causal mask.
+/// window with a causal mask. Keys are quantized as the cache stores them
+/// (post-RoPE); see [`attention_kl_pre_rope`] for keys quantized before.
 pub fn attention_kl(
     cap: &Capture,
     spec: &CacheSpec,
@@ -859,21 +865,58 @@ pub fn attention_kl(
     n_kv: usize,
     hd: usize,
 ) -> Result<f64, BoxError> {
+    attention_kl_with(cap, spec, n_q, n_kv, hd, |_, l, c| hat(&l.k, c, n_kv, hd))
+}
+
+/// [`attention_kl`] with the keys quantized before RoPE (the capture's
+/// pre-RoPE keys round-tripped through the key codec), then rotated by
+/// `model`'s RoPE: what a pre-RoPE cache ([`CacheSpec::pre_rope`]) or a
+/// round trip after `k_norm` attends over.
+pub fn attention_kl_pre_rope(
+    cap: &Capture,
+    spec: &CacheSpec,
+    model: &Model,
+    n_q: usize,
+    n_kv: usize,
+    hd: usize,
+) -> Result<f64, BoxError> {
+    if !cap.has_k_pre_rope() {
+        return Err("the capture has no pre-RoPE keys".into());
+    }
+    attention_kl_with(cap, spec, n_q, n_kv, hd, |li, l, c| {
+        let mut k = hat(&l.k_pre_rope, c, n_kv, hd)?;
+        model.apply_rope(&mut k, n_kv * hd, cap.pos0, li);
+        Ok(k)
+    })
+}
+
+fn hat(x: &[f32], c: Option<Codec>, n_kv: usize, hd: usize) -> Result<Vec<f32>, kvq::Error> {
+    match c {
+        None => Ok(x.to_vec()),
+        Some(c) => c.roundtrip(x, n_kv, hd),
+    }
+}
+
+fn attention_kl_with(
+    cap: &Capture,
+    spec: &CacheSpec,
+    n_q: usize,
+    n_kv: usize,
+    hd: usize,
+    keys: impl Fn(usize, &LayerCapture, Option<Codec>) -> Result<Vec<f32>, kvq::Error>,
+) -> Result<f64, BoxError> {
     use kvq::metrics::{layer_errors, AttnShape, MetricsConfig};
     if spec.keys.is_none() && spec.values.is_none() {
         return Ok(0.0);
     }
     let shape = AttnShape::new(n_q, n_kv, hd)?;
     let cfg = MetricsConfig::new().with_causal(0);
-    let hat = |x: &[f32], c: Option<Codec>| -> Result<Vec<f32>, kvq::Error> {
-        match c {
-            None => Ok(x.to_vec()),
-            Some(c) => c.roundtrip(x, n_kv, hd),
-        }
-    };
     let mut total = 0.0;
-    for l in &cap.layers {
-        let (kh, vh) = (hat(&l.k, spec.key_codec())?, hat(&l.v, spec.value_codec())?);
+    for (li, l) in cap.layers.iter().enumerate() {
+        let (kh, vh) = (
+            keys(li, l, spec.key_codec())?,
+            hat(&l.v, spec.value_codec(), n_kv, hd)?,
+        );
         total += layer_errors(shape, l.q.as_slice(), &l.k, &l.v, &kh, &vh, &cfg)?
             .summary
             .mean
