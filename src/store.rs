@@ -614,21 +614,40 @@ impl<'a> PackedHead<'a> {
         let bits = l.scheme().bits();
         assert_eq!(out.len(), self.tokens * hd, "dequantize: output length");
         let mut codes = vec![0u8; hd];
+        // Each param set read once (not once per element): per token its
+        // groups' scales and zeros, per block every channel's.
+        let n = self.set_len();
+        let (mut sc, mut ze) = (vec![0f32; n], vec![0f32; n]);
+        let mut set = usize::MAX;
         for t in 0..self.tokens {
+            let k = match l.scheme().axis() {
+                Axis::PerToken => t,
+                Axis::PerChannel => t / l.group_len(),
+            };
+            if k != set {
+                for (g, (s, z)) in sc.iter_mut().zip(ze.iter_mut()).enumerate() {
+                    (*s, *z) = self.param(k, g);
+                }
+                set = k;
+            }
             pack::unpack(&self.codes[t * rb..(t + 1) * rb], bits, &mut codes);
             let o = &mut out[t * hd..(t + 1) * hd];
             match l.scheme().axis() {
                 Axis::PerToken => {
-                    let cpg = l.channels_per_group();
-                    for (c, (o, &q)) in o.iter_mut().zip(&codes).enumerate() {
-                        let (s, z) = self.param(t, c / cpg);
-                        *o = s * q as f32 + z;
+                    // A whole-vector group spans every head: one per row here.
+                    let cpg = l.channels_per_group().min(hd);
+                    for ((o, q), (&s, &z)) in o
+                        .chunks_exact_mut(cpg)
+                        .zip(codes.chunks_exact(cpg))
+                        .zip(sc.iter().zip(&ze))
+                    {
+                        for (o, &q) in o.iter_mut().zip(q) {
+                            *o = s * q as f32 + z;
+                        }
                     }
                 }
                 Axis::PerChannel => {
-                    let k = t / l.group_len();
-                    for (c, (o, &q)) in o.iter_mut().zip(&codes).enumerate() {
-                        let (s, z) = self.param(k, c);
+                    for (((o, &q), &s), &z) in o.iter_mut().zip(&codes).zip(&sc).zip(&ze) {
                         *o = s * q as f32 + z;
                     }
                 }

@@ -1561,7 +1561,14 @@ fn every_sweep_grid_builds() {
         for c in &g {
             for (n_kv, hd) in [(3, 64), (1, 256)] {
                 let (spec, _) = c.store_and_hook();
-                KvqStore::new(2, n_kv, hd, spec)
+                let cfg = Config {
+                    n_kv_heads: n_kv,
+                    n_heads: 3 * n_kv,
+                    head_dim: hd,
+                    rope_dim: hd,
+                    ..tiny_config(RopeStyle::Halves)
+                };
+                KvqStore::for_model(&cfg, spec)
                     .unwrap_or_else(|e| panic!("{kind:?} {}: {e}", c.name));
             }
         }

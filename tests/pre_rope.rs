@@ -94,10 +94,17 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
         QuantScheme::new(4, Axis::PerChannel, g32).unwrap(),
         QuantScheme::new(2, Axis::PerChannel, Group::Size(64)).unwrap(),
         QuantScheme::new(3, Axis::PerToken, g32).unwrap(),
+        QuantScheme::new(4, Axis::PerChannel, g32).unwrap(),
     ];
     for backend in backends() {
         for (ki, key) in keys.into_iter().enumerate() {
-            let rope = ropes(hd)[ki % 3];
+            // The first three shapes take the SIMD kernel; 120 adjacent
+            // rotary channels take it only with 8 lanes (AVX2), and the
+            // chunked decode-and-rotate path otherwise.
+            let rope = match ki {
+                3 => Rope::new(10_000.0, 120, RopeStyle::Adjacent),
+                _ => ropes(hd)[ki % 3],
+            };
             // 555 tokens: a partial per-channel block stays full precision.
             let len = 555;
             let k = rng.vec(len * w);

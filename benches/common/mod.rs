@@ -344,6 +344,15 @@ pub fn cache_cases<'a>(
             Box::new(move || build(base().keys(pc).values(pt).residual(128).sinks(4))),
         ),
         (
+            // KIVI-4 with keys stored before RoPE (decoded, rotated and
+            // scored by the dense kernel; values fused as usual).
+            "cache 4b-kivi32-prerope".into(),
+            Box::new(move || {
+                let rope = kvq::Rope::new(500_000.0, hd, kvq::RopeStyle::Halves);
+                build(base().keys(pc).values(pt).pre_rope(rope))
+            }),
+        ),
+        (
             "cache 4b-H-pt32".into(),
             Box::new(move || {
                 let h = kvq::Codec::hadamard(pt);

@@ -1190,6 +1190,20 @@ impl LayerCache {
         let chunk = ROPE_CHUNK.div_ceil(unit) * unit;
         let mut keys = Vec::new();
         for sec in self.k.sections(h, a, b) {
+            if let SectionData::Packed(view) = &sec.data {
+                // The SIMD kernel, when it takes the shape: the whole
+                // section at once.
+                let s = uninit_len(tmp, rows * sec.len);
+                let rr = rope.rows();
+                if kernels::rope::rope_scores_on(self.backend, view, &rr, sec.start, q, s) {
+                    let off = sec.start - a;
+                    for i in 0..rows {
+                        out[i * width + off..i * width + off + sec.len]
+                            .copy_from_slice(&s[i * sec.len..(i + 1) * sec.len]);
+                    }
+                    continue;
+                }
+            }
             let mut t0 = 0;
             while t0 < sec.len {
                 let t1 = (t0 + chunk).min(sec.len);

@@ -213,22 +213,24 @@ impl Rope {
     }
 }
 
-/// Positions per entry of the coarse table.
-const LO: usize = 256;
+use crate::kernels::rope::{RopeRows, ROPE_LO as LO};
 
 /// `cos`/`sin` of every position's angles, as the product of a fine table
 /// (positions `0..256`) and a coarse one (multiples of 256, grown with the
 /// cache): `cos(A + B) = cos A·cos B − sin A·sin B`. Both tables hold `f32`
 /// roundings of angles computed in `f64`, so a position's rotation is
 /// within a few `f32` ulps of the exact one at any context length (an
-/// angle `p·f` formed in `f32` loses `p·2^−24` radians).
+/// angle `p·f` formed in `f32` loses `p·2^−24` radians). Rows have one
+/// lane per pair (halves) or per channel (adjacent pairs: the cosine twice,
+/// the sine negated on the pair's first channel), as the kernels read them
+/// ([`RopeRows`]).
 #[derive(Debug, Clone)]
 pub(super) struct RopeTable {
     rope: Rope,
     inv_freq: Vec<f64>,
-    /// `[LO, half]`.
+    /// `[LO, lanes]`.
     lo: (Vec<f32>, Vec<f32>),
-    /// `[n, half]` for positions `0, LO, 2·LO, …`.
+    /// `[n, lanes]` for positions `0, LO, 2·LO, …`.
     hi: (Vec<f32>, Vec<f32>),
 }
 
@@ -242,60 +244,87 @@ impl RopeTable {
             inv_freq,
         };
         for p in 0..LO {
-            Self::push(&t.inv_freq, p as f64, &mut t.lo);
+            t.push(p, false);
         }
         t
     }
 
-    fn push(inv_freq: &[f64], p: f64, (c, s): &mut (Vec<f32>, Vec<f32>)) {
-        for &f in inv_freq {
-            let (sin, cos) = (p * f).sin_cos();
-            c.push(cos as f32);
-            s.push(sin as f32);
+    fn adjacent(&self) -> bool {
+        self.rope.style == RopeStyle::Adjacent
+    }
+
+    fn lanes(&self) -> usize {
+        self.inv_freq.len() * if self.adjacent() { 2 } else { 1 }
+    }
+
+    /// Append position `p`'s row to the fine (`hi` false) or coarse table.
+    fn push(&mut self, p: usize, hi: bool) {
+        let adjacent = self.adjacent();
+        let (c, s) = if hi { &mut self.hi } else { &mut self.lo };
+        for &f in &self.inv_freq {
+            let (sin, cos) = (p as f64 * f).sin_cos();
+            let (cos, sin) = (cos as f32, sin as f32);
+            if adjacent {
+                c.extend([cos, cos]);
+                s.extend([-sin, sin]);
+            } else {
+                c.push(cos);
+                s.push(sin);
+            }
         }
     }
 
     /// Cover positions `0..len`.
     pub(super) fn ensure(&mut self, len: usize) {
-        let half = self.inv_freq.len();
-        let have = self.hi.0.len() / half.max(1);
+        let have = self.hi.0.len() / self.lanes();
         for k in have..len.div_ceil(LO) {
-            Self::push(&self.inv_freq, (k * LO) as f64, &mut self.hi);
+            self.push(k * LO, true);
+        }
+    }
+
+    /// The tables as the kernels read them.
+    pub(super) fn rows(&self) -> RopeRows<'_> {
+        RopeRows {
+            adjacent: self.adjacent(),
+            lanes: self.lanes(),
+            lo: (&self.lo.0, &self.lo.1),
+            hi: (&self.hi.0, &self.hi.1),
         }
     }
 
     /// Rotate `n` rows of one head (`hd` channels each, `rows` holding
-    /// `n·hd`) to positions `p0..p0 + n`.
+    /// `n·hd`) to positions `p0..p0 + n` (the kernels' rotation, scalar).
     ///
     /// # Panics
     /// If the table does not cover `p0 + n − 1` ([`ensure`](Self::ensure)).
     pub(super) fn apply_rows(&self, rows: &mut [f32], hd: usize, p0: usize) {
-        let half = self.inv_freq.len();
-        let (mut c, mut s) = (vec![0f32; half], vec![0f32; half]);
+        let lanes = self.lanes();
+        let (mut c, mut s) = (vec![0f32; lanes], vec![0f32; lanes]);
         for (t, row) in rows.chunks_exact_mut(hd).enumerate() {
             let p = p0 + t;
-            let (h, l) = ((p / LO) * half, (p % LO) * half);
-            let (hc, hs) = (&self.hi.0[h..h + half], &self.hi.1[h..h + half]);
-            let (lc, ls) = (&self.lo.0[l..l + half], &self.lo.1[l..l + half]);
-            for i in 0..half {
+            let (h, l) = ((p / LO) * lanes, (p % LO) * lanes);
+            let (hc, hs) = (&self.hi.0[h..h + lanes], &self.hi.1[h..h + lanes]);
+            let (lc, ls) = (&self.lo.0[l..l + lanes], &self.lo.1[l..l + lanes]);
+            for i in 0..lanes {
                 c[i] = hc[i] * lc[i] - hs[i] * ls[i];
                 s[i] = hs[i] * lc[i] + hc[i] * ls[i];
             }
-            match self.rope.style {
-                RopeStyle::Halves => {
-                    let (x, y) = row[..2 * half].split_at_mut(half);
-                    for i in 0..half {
-                        let (a, b) = (x[i], y[i]);
-                        x[i] = a * c[i] - b * s[i];
-                        y[i] = a * s[i] + b * c[i];
-                    }
+            if self.adjacent() {
+                for ((pair, c), s) in row[..lanes]
+                    .chunks_exact_mut(2)
+                    .zip(c.chunks_exact(2))
+                    .zip(s.chunks_exact(2))
+                {
+                    let (a, b) = (pair[0], pair[1]);
+                    pair[0] = a * c[0] + b * s[0];
+                    pair[1] = b * c[1] + a * s[1];
                 }
-                RopeStyle::Adjacent => {
-                    for (i, pair) in row[..2 * half].chunks_exact_mut(2).enumerate() {
-                        let (a, b) = (pair[0], pair[1]);
-                        pair[0] = a * c[i] - b * s[i];
-                        pair[1] = a * s[i] + b * c[i];
-                    }
+            } else {
+                let (x, y) = row[..2 * lanes].split_at_mut(lanes);
+                for i in 0..lanes {
+                    let (a, b) = (x[i], y[i]);
+                    x[i] = a * c[i] - b * s[i];
+                    y[i] = a * s[i] + b * c[i];
                 }
             }
         }

@@ -141,6 +141,7 @@ pub mod dense;
 pub mod reference;
 
 pub(crate) mod portable;
+pub(crate) mod rope;
 mod scores;
 mod softmax;
 mod weighted_sum;

@@ -87,7 +87,7 @@ use crate::store::PackedHead;
 /// (scores) or `out_len` (weighted sum) is `n_q · head_dim`, `other` is
 /// `n_q · tokens`, and the head's buffers hold its tokens. Returns `n_q`.
 #[track_caller]
-pub(super) fn check_head(head: &PackedHead<'_>, per_query_hd: usize, per_query_t: usize) -> usize {
+pub(crate) fn check_head(head: &PackedHead<'_>, per_query_hd: usize, per_query_t: usize) -> usize {
     let l = head.layout();
     let hd = l.head_dim();
     let t = head.tokens();

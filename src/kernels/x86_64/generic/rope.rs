@@ -1,0 +1,171 @@
+//! Scores of pre-RoPE keys (see `kernels/rope.rs`): unpack and dequantize
+//! a tile, turn it to its positions, dot it with every query.
+
+use super::*;
+use crate::kernels::rope::{RopeRows, ROPE_LO};
+
+/// Whether the SIMD kernel takes this head and rotation: whole vectors per
+/// head, and per rotated half (pairs `(i, i + dims/2)`) or per rotated
+/// span (adjacent pairs).
+#[inline(always)]
+pub(crate) fn rope_takes<S: Simd>(head: &PackedHead<'_>, rope: &RopeRows<'_>) -> bool {
+    let hd = head.layout().head_dim();
+    hd.is_multiple_of(S::L) && rope.lanes > 0 && rope.lanes.is_multiple_of(S::L) && hd <= 1024
+}
+
+/// Turn the tile's `n` keys (vector-major scratch, `nch` vectors) to
+/// positions `p0..p0 + n`.
+///
+/// # Safety
+/// `scr` holds `nch·T·L` floats; `rope_takes` holds; the tables cover
+/// `p0 + n − 1`.
+#[inline(always)]
+unsafe fn rope_tile<S: Simd>(
+    s: S,
+    scr: *mut f32,
+    n: usize,
+    rope: &RopeRows<'_>,
+    p0: usize,
+    swap: S::I,
+) {
+    let lv = rope.lanes / S::L;
+    let stride = S::T * S::L;
+    for tt in 0..n {
+        let p = p0 + tt;
+        let (h, l) = ((p / ROPE_LO) * rope.lanes, (p % ROPE_LO) * rope.lanes);
+        for j in 0..lv {
+            // SAFETY: rows `h` and `l` hold `lanes = lv·L` floats (the
+            // tables cover `p`); vectors `j` and `j + lv` (halves) or `j`
+            // (adjacent) are below `nch` (`lanes ≤ hd`), token `tt < T`.
+            unsafe {
+                let o = j * S::L;
+                let (hc, hs) = (
+                    s.load(rope.hi.0.as_ptr().add(h + o)),
+                    s.load(rope.hi.1.as_ptr().add(h + o)),
+                );
+                let (lc, ls) = (
+                    s.load(rope.lo.0.as_ptr().add(l + o)),
+                    s.load(rope.lo.1.as_ptr().add(l + o)),
+                );
+                let c = s.sub(s.mul(hc, lc), s.mul(hs, ls));
+                let sn = s.fma(hs, lc, s.mul(hc, ls));
+                let pa = scr.add(j * stride + tt * S::L);
+                let a = s.load(pa);
+                if rope.adjacent {
+                    s.store(pa, s.fma(a, c, s.mul(s.permute(a, swap), sn)));
+                } else {
+                    let pb = scr.add((j + lv) * stride + tt * S::L);
+                    let b = s.load(pb);
+                    s.store(pa, s.sub(s.mul(a, c), s.mul(b, sn)));
+                    s.store(pb, s.fma(a, sn, s.mul(b, c)));
+                }
+            }
+        }
+    }
+}
+
+/// `out[i·T + t] = q_i · R(p0 + t)·k̂_t` (see `kernels/rope.rs`).
+///
+/// # Safety
+/// [`super::check_head`]`(head, q.len(), out.len())` passed, `rope_takes`
+/// holds and the tables cover `p0 + tokens − 1`.
+#[inline(always)]
+pub(crate) unsafe fn rope_scores<S: Simd>(
+    s: S,
+    head: &PackedHead<'_>,
+    rope: &RopeRows<'_>,
+    p0: usize,
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let p = Plan::new(head);
+    let l = head.layout();
+    let g = Geo::new::<S, 0, 0>(l.head_dim(), l.scheme().bits());
+    let (hd, hdp, t_all) = (g.hd, g.hdp, p.tokens);
+    let nq = q.len() / hd;
+    let mut scr = Buf::new(S::T * hdp);
+    let mut u8buf = vec![0u8; hdp];
+    // Lane `k` of the swap reads lane `k ^ 1`: an adjacent pair's partner.
+    let mut idx = [0f32; 16];
+    for (k, v) in idx.iter_mut().enumerate() {
+        *v = f32::from_bits((k ^ 1) as u32);
+    }
+    // SAFETY: `idx` holds 16 ≥ L floats.
+    let swap = unsafe { s.load_i(idx.as_ptr()) };
+    let codes = head.codes().as_ptr();
+    // A macro, not a closure: a closure's body is compiled without the
+    // trampoline's target features.
+    macro_rules! tile {
+        ($t0:expr, $n:expr) => {{
+            let (t0, n) = ($t0, $n);
+            // SAFETY: the scratch holds the tile's `n ≤ T` rows (the
+            // unpack zeroes the rest); query `i` holds `hd = hdp` floats
+            // (`rope_takes`); the tables cover `p0 + t0 + n − 1`.
+            unsafe {
+                rope_tile(s, scr.m().as_mut_ptr(), n, rope, p0 + t0, swap);
+                for i in 0..nq {
+                    let r = dot_tile(s, scr.s().as_ptr(), g.nch, q.as_ptr().add(i * hd));
+                    store_lanes(s, r, &mut out[i * t_all + t0..i * t_all + t0 + n]);
+                }
+            }
+        }};
+    }
+    match l.scheme().axis() {
+        Axis::PerChannel => {
+            let gl = l.group_len();
+            let (mut sc, mut ze) = (Buf::new(hdp), Buf::new(hdp));
+            for k in 0..t_all.div_ceil(gl) {
+                block_params(s, head, &p, hd, k, sc.m(), ze.m());
+                let d = Rows {
+                    sc: sc.s().as_ptr(),
+                    ze: ze.s().as_ptr(),
+                    stride: 0,
+                };
+                let t_end = ((k + 1) * gl).min(t_all);
+                let mut t0 = k * gl;
+                while t0 < t_end {
+                    let n = S::T.min(t_end - t0);
+                    prefetch_ahead(codes, g.rb, t0, n);
+                    // SAFETY: rows `t0..t0 + n` are in the codes
+                    // (`check_head`); the scratch holds `T` rows of `hdp`.
+                    unsafe {
+                        let rows = codes.add(t0 * g.rb);
+                        unpack_tile::<S, 0, Rows>(
+                            s,
+                            g,
+                            rows,
+                            n,
+                            scr.m().as_mut_ptr(),
+                            u8buf.as_mut_ptr(),
+                            d,
+                        );
+                    }
+                    tile!(t0, n);
+                    t0 += n;
+                }
+            }
+        }
+        Axis::PerToken => {
+            let mut tp = TileParams::new::<S>(head, g, p);
+            let mut t0 = 0;
+            while t0 < t_all {
+                let n = S::T.min(t_all - t0);
+                tp.load(s, head, t0, n);
+                // SAFETY: as above; `tp` holds this tile's params.
+                unsafe {
+                    let (rows, sp, u8b) = (
+                        codes.add(t0 * g.rb),
+                        scr.m().as_mut_ptr(),
+                        u8buf.as_mut_ptr(),
+                    );
+                    match tp.deq_rows() {
+                        None => unpack_tile::<S, 0, PerToken>(s, g, rows, n, sp, u8b, tp.deq()),
+                        Some(d) => unpack_tile::<S, 0, Rows>(s, g, rows, n, sp, u8b, d),
+                    }
+                }
+                tile!(t0, n);
+                t0 += n;
+            }
+        }
+    }
+}
