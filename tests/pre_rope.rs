@@ -91,10 +91,14 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
     let w = n_kv * hd;
     let g32 = Group::Size(32);
     let keys = [
-        QuantScheme::new(4, Axis::PerChannel, g32).unwrap(),
-        QuantScheme::new(2, Axis::PerChannel, Group::Size(64)).unwrap(),
-        QuantScheme::new(3, Axis::PerToken, g32).unwrap(),
-        QuantScheme::new(4, Axis::PerChannel, g32).unwrap(),
+        Codec::from(QuantScheme::new(4, Axis::PerChannel, g32).unwrap()),
+        QuantScheme::new(2, Axis::PerChannel, Group::Size(64))
+            .unwrap()
+            .into(),
+        QuantScheme::new(3, Axis::PerToken, g32).unwrap().into(),
+        QuantScheme::new(4, Axis::PerChannel, g32).unwrap().into(),
+        // A codebook decodes through its own levels, not the uniform grid.
+        presets::iq4_nl(),
     ];
     for backend in backends() {
         for (ki, key) in keys.into_iter().enumerate() {
@@ -110,7 +114,7 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
             let k = rng.vec(len * w);
             let v = rng.vec(len * w);
             let cfg = CacheConfig::new(n_kv, hd)
-                .keys(key)
+                .key_codec(key)
                 .values(QuantScheme::new(4, Axis::PerToken, g32).unwrap())
                 .sinks(3)
                 .backend(backend)

@@ -1167,9 +1167,10 @@ impl LayerCache {
         }
     }
 
-    /// [`k_scores`](Self::k_scores) of pre-RoPE keys: each section's keys
-    /// decoded (or copied) a chunk at a time, rotated to their positions,
-    /// then scored by the dense kernel.
+    /// [`k_scores`](Self::k_scores) of pre-RoPE keys: packed uniform
+    /// sections through the SIMD kernel (`kernels::rope`) when it takes the
+    /// shape; otherwise each section's keys decoded (or copied) a chunk at a
+    /// time, rotated to their positions, then scored by the dense kernel.
     #[allow(clippy::too_many_arguments)]
     fn k_scores_rope(
         &self,
@@ -1189,8 +1190,14 @@ impl LayerCache {
         let unit = self.k.unit_or_1();
         let chunk = ROPE_CHUNK.div_ceil(unit) * unit;
         let mut keys = Vec::new();
+        // The SIMD kernel reads the uniform grid; other codecs decode.
+        let uniform = self
+            .k
+            .codec
+            .as_ref()
+            .is_some_and(|c| c.spec().levels().is_none());
         for sec in self.k.sections(h, a, b) {
-            if let SectionData::Packed(view) = &sec.data {
+            if let (SectionData::Packed(view), true) = (&sec.data, uniform) {
                 // The SIMD kernel, when it takes the shape: the whole
                 // section at once.
                 let s = uninit_len(tmp, rows * sec.len);
