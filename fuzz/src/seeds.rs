@@ -85,6 +85,21 @@ fn caches() -> Vec<Vec<u8>> {
                 .with_rotation(kvq::Rotation::Hadamard),
             )
             .residual(2),
+        // Pre-RoPE keys: a RoPE header behind the layer header.
+        CacheConfig::new(1, 32)
+            .keys(k4)
+            .values(v4)
+            .sinks(1)
+            .pre_rope(
+                kvq::Rope::new(5e5, 32, kvq::RopeStyle::Adjacent).with_scaling(
+                    kvq::RopeScaling::Llama3 {
+                        factor: 8.0,
+                        low_freq_factor: 1.0,
+                        high_freq_factor: 4.0,
+                        original_max_position: 64,
+                    },
+                ),
+            ),
     ];
     let mut out = Vec::new();
     for (i, &cfg) in cfgs.iter().enumerate() {

@@ -162,6 +162,7 @@ fn config(x: &[u8]) -> String {
         .residual(c.count(40))
         .sinks(c.count(6))
         .softmax_scale(c.pick(&[0.125, 1.0, f32::NAN, f32::INFINITY, 0.0, -1.0]))
+        .pre_rope(rope(&mut c, hd, true))
         .backend(backend(&mut c))
         .threads(c.below(3));
     let cache = LayerCache::new(cfg);
@@ -182,6 +183,37 @@ fn config(x: &[u8]) -> String {
     tag
 }
 
+/// No RoPE (most often), a valid one of either pairing (full or partial
+/// rotary, scaled or not), or with `bad` also invalid parameters.
+fn rope(c: &mut Choices<'_>, hd: usize, bad: bool) -> Option<kvq::Rope> {
+    use kvq::{Rope, RopeScaling, RopeStyle};
+    if c.below(3) != 0 {
+        return None;
+    }
+    let style = c.pick(&[RopeStyle::Halves, RopeStyle::Adjacent]);
+    let dims = if bad {
+        c.pick(&[hd, hd / 2, 0, hd.saturating_add(2), 3])
+    } else {
+        c.pick(&[hd, hd / 2])
+    };
+    let base = if bad {
+        c.pick(&[1e4, 5e5, 1.0, f64::NAN])
+    } else {
+        c.pick(&[1e4, 5e5])
+    };
+    let scaling = c.pick(&[
+        RopeScaling::None,
+        RopeScaling::Linear { factor: 4.0 },
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 64,
+        },
+    ]);
+    Some(Rope::new(base, dims, style).with_scaling(scaling))
+}
+
 /// A cache of a valid configuration under a sequence of calls with
 /// arbitrary lengths, shapes and values. A rejected call must leave the
 /// cache as it was.
@@ -196,6 +228,7 @@ fn ops(x: &[u8]) -> String {
         .value_codec(s2.map(|s| levels(&mut c, s)))
         .residual(c.pick(&[0, 1, 5, 16, usize::MAX]))
         .sinks(c.pick(&[0, 1, 4]))
+        .pre_rope(rope(&mut c, hd, false))
         .backend(backend(&mut c))
         .threads(c.below(3));
     let Ok(mut cache) = LayerCache::new(cfg) else {
