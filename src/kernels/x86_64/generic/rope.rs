@@ -30,28 +30,27 @@ unsafe fn rope_tile<S: Simd>(
 ) {
     let lv = rope.lanes / S::L;
     let stride = S::T * S::L;
+    // Locals, not loads through `rope` in the loop: the stores to `scr`
+    // could alias the tables for all the compiler knows.
+    let (hic, his) = (rope.hi.0.as_ptr(), rope.hi.1.as_ptr());
+    let (loc, los) = (rope.lo.0.as_ptr(), rope.lo.1.as_ptr());
+    let (lanes, adjacent) = (rope.lanes, rope.adjacent);
     for tt in 0..n {
         let p = p0 + tt;
-        let (h, l) = ((p / ROPE_LO) * rope.lanes, (p % ROPE_LO) * rope.lanes);
+        let (h, l) = ((p / ROPE_LO) * lanes, (p % ROPE_LO) * lanes);
         for j in 0..lv {
             // SAFETY: rows `h` and `l` hold `lanes = lv·L` floats (the
             // tables cover `p`); vectors `j` and `j + lv` (halves) or `j`
             // (adjacent) are below `nch` (`lanes ≤ hd`), token `tt < T`.
             unsafe {
                 let o = j * S::L;
-                let (hc, hs) = (
-                    s.load(rope.hi.0.as_ptr().add(h + o)),
-                    s.load(rope.hi.1.as_ptr().add(h + o)),
-                );
-                let (lc, ls) = (
-                    s.load(rope.lo.0.as_ptr().add(l + o)),
-                    s.load(rope.lo.1.as_ptr().add(l + o)),
-                );
+                let (hc, hs) = (s.load(hic.add(h + o)), s.load(his.add(h + o)));
+                let (lc, ls) = (s.load(loc.add(l + o)), s.load(los.add(l + o)));
                 let c = s.sub(s.mul(hc, lc), s.mul(hs, ls));
                 let sn = s.fma(hs, lc, s.mul(hc, ls));
                 let pa = scr.add(j * stride + tt * S::L);
                 let a = s.load(pa);
-                if rope.adjacent {
+                if adjacent {
                     s.store(pa, s.fma(a, c, s.mul(s.permute(a, swap), sn)));
                 } else {
                     let pb = scr.add((j + lv) * stride + tt * S::L);
@@ -158,9 +157,14 @@ pub(crate) unsafe fn rope_scores<S: Simd>(
                         scr.m().as_mut_ptr(),
                         u8buf.as_mut_ptr(),
                     );
-                    match tp.deq_rows() {
-                        None => unpack_tile::<S, 0, PerToken>(s, g, rows, n, sp, u8b, tp.deq()),
-                        Some(d) => unpack_tile::<S, 0, Rows>(s, g, rows, n, sp, u8b, d),
+                    match (tp.deq_rows(), g.bits) {
+                        (None, 4) => {
+                            unpack_tile::<S, 4, PerToken>(s, g, rows, n, sp, u8b, tp.deq())
+                        }
+                        (None, _) => {
+                            unpack_tile::<S, 0, PerToken>(s, g, rows, n, sp, u8b, tp.deq())
+                        }
+                        (Some(d), _) => unpack_tile::<S, 0, Rows>(s, g, rows, n, sp, u8b, d),
                     }
                 }
                 tile!(t0, n);
