@@ -92,65 +92,38 @@ pub(crate) unsafe fn rope_scores<S: Simd>(
     // SAFETY: `idx` holds 16 ≥ L floats.
     let swap = unsafe { s.load_i(idx.as_ptr()) };
     let codes = head.codes().as_ptr();
-    // A macro, not a closure: a closure's body is compiled without the
-    // trampoline's target features.
-    macro_rules! tile {
-        ($t0:expr, $n:expr) => {{
-            let (t0, n) = ($t0, $n);
-            // SAFETY: the scratch holds the tile's `n ≤ T` rows (the
-            // unpack zeroes the rest); query `i` holds `hd = hdp` floats
-            // (`rope_takes`); the tables cover `p0 + t0 + n − 1`.
-            unsafe {
-                rope_tile(s, scr.m().as_mut_ptr(), n, rope, p0 + t0, swap);
-                for i in 0..nq {
-                    let r = dot_tile(s, scr.s().as_ptr(), g.nch, q.as_ptr().add(i * hd));
-                    store_lanes(s, r, &mut out[i * t_all + t0..i * t_all + t0 + n]);
-                }
-            }
-        }};
-    }
+    let mut work = RopeWork {
+        rope,
+        p0,
+        swap,
+        q,
+        nq,
+        hd,
+        nch: g.nch,
+        t_all,
+        out,
+    };
     match l.scheme().axis() {
-        Axis::PerChannel => {
-            let gl = l.group_len();
-            let (mut sc, mut ze) = (Buf::new(hdp), Buf::new(hdp));
-            for k in 0..t_all.div_ceil(gl) {
-                block_params(s, head, &p, hd, k, sc.m(), ze.m());
-                let d = Rows {
-                    sc: sc.s().as_ptr(),
-                    ze: ze.s().as_ptr(),
-                    stride: 0,
-                };
-                let t_end = ((k + 1) * gl).min(t_all);
-                let mut t0 = k * gl;
-                while t0 < t_end {
-                    let n = S::T.min(t_end - t0);
-                    prefetch_ahead(codes, g.rb, t0, n);
-                    // SAFETY: rows `t0..t0 + n` are in the codes
-                    // (`check_head`); the scratch holds `T` rows of `hdp`.
-                    unsafe {
-                        let rows = codes.add(t0 * g.rb);
-                        unpack_tile::<S, 0, Rows>(
-                            s,
-                            g,
-                            rows,
-                            n,
-                            scr.m().as_mut_ptr(),
-                            u8buf.as_mut_ptr(),
-                            d,
-                        );
-                    }
-                    tile!(t0, n);
-                    t0 += n;
-                }
+        // SAFETY: the caller's contract; the scratch and `u8buf` are
+        // sized for `g`.
+        Axis::PerChannel => unsafe {
+            // The common widths unpack with their planes known.
+            let (sc, u8b) = (&mut scr, &mut u8buf[..]);
+            match g.bits {
+                2 => channel_tiles::<S, 2, _>(s, g, head, &p, sc, u8b, &mut work),
+                4 => channel_tiles::<S, 4, _>(s, g, head, &p, sc, u8b, &mut work),
+                8 => channel_tiles::<S, 8, _>(s, g, head, &p, sc, u8b, &mut work),
+                _ => channel_tiles::<S, 0, _>(s, g, head, &p, sc, u8b, &mut work),
             }
-        }
+        },
         Axis::PerToken => {
             let mut tp = TileParams::new::<S>(head, g, p);
             let mut t0 = 0;
             while t0 < t_all {
                 let n = S::T.min(t_all - t0);
                 tp.load(s, head, t0, n);
-                // SAFETY: as above; `tp` holds this tile's params.
+                // SAFETY: rows `t0..t0 + n` are in the codes; `tp` holds
+                // this tile's params.
                 unsafe {
                     let (rows, sp, u8b) = (
                         codes.add(t0 * g.rb),
@@ -166,9 +139,40 @@ pub(crate) unsafe fn rope_scores<S: Simd>(
                         }
                         (Some(d), _) => unpack_tile::<S, 0, Rows>(s, g, rows, n, sp, u8b, d),
                     }
+                    work.tile(s, t0, n, sp);
                 }
-                tile!(t0, n);
                 t0 += n;
+            }
+        }
+    }
+}
+
+/// Turn a dequantized tile to its positions, then score it against every
+/// query into `out` (`[nq, t_all]`).
+struct RopeWork<'a, 'r, S: Simd> {
+    rope: &'a RopeRows<'r>,
+    p0: usize,
+    swap: S::I,
+    q: &'a [f32],
+    nq: usize,
+    hd: usize,
+    nch: usize,
+    t_all: usize,
+    out: &'a mut [f32],
+}
+
+impl<S: Simd> TileWork<S> for RopeWork<'_, '_, S> {
+    #[inline(always)]
+    unsafe fn tile(&mut self, s: S, t0: usize, n: usize, scr: *mut f32) {
+        // SAFETY: the scratch holds the tile's `n ≤ T` rows (the unpack
+        // zeroes the rest); query `i` holds `hd = hdp` floats
+        // (`rope_takes`); the tables cover `p0 + t0 + n − 1` (the caller's).
+        unsafe {
+            rope_tile(s, scr, n, self.rope, self.p0 + t0, self.swap);
+            for i in 0..self.nq {
+                let r = dot_tile(s, scr, self.nch, self.q.as_ptr().add(i * self.hd));
+                let o = i * self.t_all + t0;
+                store_lanes(s, r, &mut self.out[o..o + n]);
             }
         }
     }

@@ -245,6 +245,63 @@ pub(crate) unsafe fn unpack_tile<S: Simd, const B: u8, D: Deq<S>>(
     }
 }
 
+/// What [`channel_tiles`] does with each tile once it is dequantized.
+pub(crate) trait TileWork<S: Simd> {
+    /// Tokens `t0..t0 + n` of the head, dequantized in the vector-major
+    /// scratch `scr` (rows `n..T` zero).
+    ///
+    /// # Safety
+    /// `scr` is valid for `T·hdp` floats of the head's [`Geo`].
+    unsafe fn tile(&mut self, s: S, t0: usize, n: usize, scr: *mut f32);
+}
+
+/// A per-channel head block by block: each block's params widened, each of
+/// its tiles unpacked and dequantized into `scr` (`x_c = code_c·sc_c +
+/// ze_c`), then handed to `work`.
+///
+/// # Safety
+/// [`super::check_head`] passed for `head`; `g` and `p` were built for it;
+/// `scr` holds `T·hdp` floats and `u8buf` `hdp` bytes whose bytes `hd..hdp`
+/// are zero.
+#[inline(always)]
+pub(crate) unsafe fn channel_tiles<S: Simd, const B: u8, W: TileWork<S>>(
+    s: S,
+    g: Geo,
+    head: &PackedHead<'_>,
+    p: &Plan,
+    scr: &mut Buf,
+    u8buf: &mut [u8],
+    work: &mut W,
+) {
+    let (hd, hdp, t_all) = (g.hd, g.hdp, p.tokens);
+    let gl = head.layout().group_len();
+    let codes = head.codes().as_ptr();
+    let (mut sc, mut ze) = (Buf::new(hdp), Buf::new(hdp));
+    for k in 0..t_all.div_ceil(gl) {
+        block_params(s, head, p, hd, k, sc.m(), ze.m());
+        let d = Rows {
+            sc: sc.s().as_ptr(),
+            ze: ze.s().as_ptr(),
+            stride: 0,
+        };
+        let t_end = ((k + 1) * gl).min(t_all);
+        let mut t0 = k * gl;
+        while t0 < t_end {
+            let n = S::T.min(t_end - t0);
+            prefetch_ahead(codes, g.rb, t0, n);
+            // SAFETY: rows `t0..t0 + n` are in the codes (`check_head`);
+            // the scratch holds `T` rows of `hdp`; `sc`/`ze` hold the
+            // block's `hdp` params and are not written meanwhile.
+            unsafe {
+                let sp = scr.m().as_mut_ptr();
+                unpack_tile::<S, B, Rows>(s, g, codes.add(t0 * g.rb), n, sp, u8buf.as_mut_ptr(), d);
+                work.tile(s, t0, n, sp);
+            }
+            t0 += n;
+        }
+    }
+}
+
 /// One row by shift and mask, plane by plane (see [`pack`]): the first
 /// plane stores integer codes, later ones OR their bits in, the last one
 /// converts, dequantizes and stores floats.

@@ -175,50 +175,17 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
             }
         }
         Axis::PerChannel => {
-            let gl = head.layout().group_len();
-            let (mut sc, mut ze) = (Buf::new(hdp), Buf::new(hdp));
-            for k in 0..t_all.div_ceil(gl) {
-                block_params(s, head, &pl, hd, k, sc.m(), ze.m());
-                let d = Rows {
-                    sc: sc.s().as_ptr(),
-                    ze: ze.s().as_ptr(),
-                    stride: 0,
-                };
-                let t_end = ((k + 1) * gl).min(t_all);
-                let mut t0 = k * gl;
-                while t0 < t_end {
-                    let n = S::T.min(t_end - t0);
-                    // SAFETY: as above; `sc`/`ze` hold the block's `hdp`
-                    // params and are not written meanwhile.
-                    unsafe {
-                        unpack_tile::<S, B, Rows>(
-                            s,
-                            g,
-                            codes.add(t0 * g.rb),
-                            n,
-                            scr.m().as_mut_ptr(),
-                            u8buf.as_mut_ptr(),
-                            d,
-                        );
-                    }
-                    for i in 0..nq {
-                        let pt = tile_p(i, t0, n);
-                        // SAFETY: `pt` holds T weights; `acc` `hdp` floats per query.
-                        unsafe {
-                            let a = acc.m()[i * hdp..].as_mut_ptr();
-                            sum_vectors(
-                                s,
-                                scr.s().as_ptr(),
-                                0,
-                                g.nch,
-                                &splat_tile(s, pt.as_ptr()),
-                                a,
-                            );
-                        }
-                    }
-                    t0 += n;
-                }
-            }
+            let mut work = ChannelSum {
+                p,
+                t_all,
+                nq,
+                hdp,
+                nch: g.nch,
+                acc: acc.m().as_mut_ptr(),
+            };
+            // SAFETY: the caller's contract; the scratch and `u8buf` are
+            // sized for `g`, `acc` holds `hdp` floats per query.
+            unsafe { channel_tiles::<S, B, _>(s, g, head, &pl, &mut scr, &mut u8buf, &mut work) };
         }
     }
     for i in 0..nq {
@@ -227,6 +194,34 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
             .zip(&acc.s()[i * hdp..])
         {
             *o += a;
+        }
+    }
+}
+
+/// The weighted sum of per-channel tiles into `acc` (`hdp` floats per
+/// query): `acc_i += Σ_t p[i·t_all + t]·tile_t`.
+struct ChannelSum<'a> {
+    p: &'a [f32],
+    t_all: usize,
+    nq: usize,
+    hdp: usize,
+    nch: usize,
+    acc: *mut f32,
+}
+
+impl<S: Simd> TileWork<S> for ChannelSum<'_> {
+    #[inline(always)]
+    unsafe fn tile(&mut self, s: S, t0: usize, n: usize, scr: *mut f32) {
+        for i in 0..self.nq {
+            // The tile's weights of query `i`, zero past its last token.
+            let mut w = [0f32; 16];
+            w[..n].copy_from_slice(&self.p[i * self.t_all + t0..i * self.t_all + t0 + n]);
+            // SAFETY: `w` holds `T ≤ 16` weights; `acc` `hdp` floats per
+            // query `i < nq`; the scratch the caller's.
+            unsafe {
+                let a = self.acc.add(i * self.hdp);
+                sum_vectors(s, scr, 0, self.nch, &splat_tile(s, w.as_ptr()), a);
+            }
         }
     }
 }
