@@ -109,9 +109,16 @@ impl CacheConfig {
     /// [`LayerCache::keys_f32`] returns the stored, pre-RoPE keys.
     /// [`LayerCache::new`] checks `rope` and rejects a rotated key codec.
     ///
-    /// Scores of pre-RoPE keys are not fused: each chunk of keys is
-    /// decoded, rotated and scored by the dense kernel
-    /// (`docs/PERFORMANCE.md` gives the cost).
+    /// The scores of pre-RoPE keys unpack and dequantize each tile, turn
+    /// it to its positions, then take the dot products (SIMD for the
+    /// uniform grid at whole-vector shapes; other codecs and shapes decode
+    /// through the codec a chunk at a time): slower than the post-RoPE
+    /// kernels, which never dequantize (`docs/PERFORMANCE.md`).
+    ///
+    /// The rotation tables are derived data, not in [`LayerCache::bytes`]:
+    /// `cos` and `sin` of 256 positions (128 KiB at 128 rotary channels
+    /// paired by halves, twice that for adjacent pairs) plus one row per
+    /// 256 cached positions (2 bytes per token at 128 channels).
     pub fn pre_rope(mut self, rope: impl Into<Option<Rope>>) -> Self {
         self.rope = rope.into();
         self
