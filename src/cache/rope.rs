@@ -10,6 +10,7 @@
 //! post-RoPE as usual.
 
 use super::*;
+use crate::kernels::rope::{RopeRows, ROPE_LO as LO};
 
 /// Which channels of a head RoPE pairs up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -213,8 +214,6 @@ impl Rope {
     }
 }
 
-use crate::kernels::rope::{RopeRows, ROPE_LO as LO};
-
 /// `cos`/`sin` of every position's angles, as the product of a fine table
 /// (positions `0..256`) and a coarse one (multiples of 256, grown with the
 /// cache): `cos(A + B) = cos A·cos B − sin A·sin B`. Both tables hold `f32`
@@ -223,13 +222,13 @@ use crate::kernels::rope::{RopeRows, ROPE_LO as LO};
 /// angle `p·f` formed in `f32` loses `p·2^−24` radians). Rows have one
 /// lane per pair (halves) or per channel (adjacent pairs: the cosine twice,
 /// the sine negated on the pair's first channel), as the kernels read them
-/// ([`RopeRows`]).
+/// ([`RopeRows`]). The fine table is shared by forks.
 #[derive(Debug, Clone)]
 pub(super) struct RopeTable {
     rope: Rope,
     inv_freq: Vec<f64>,
     /// `[LO, lanes]`.
-    lo: (Vec<f32>, Vec<f32>),
+    lo: Arc<(Vec<f32>, Vec<f32>)>,
     /// `[n, lanes]` for positions `0, LO, 2·LO, …`.
     hi: (Vec<f32>, Vec<f32>),
 }
@@ -237,16 +236,17 @@ pub(super) struct RopeTable {
 impl RopeTable {
     pub(super) fn new(rope: Rope) -> RopeTable {
         let inv_freq = rope.inv_freq();
-        let mut t = RopeTable {
+        let adjacent = rope.style == RopeStyle::Adjacent;
+        let mut lo = (Vec::new(), Vec::new());
+        for p in 0..LO {
+            Self::push(&inv_freq, adjacent, p, &mut lo);
+        }
+        RopeTable {
             rope,
-            lo: (Vec::new(), Vec::new()),
+            lo: Arc::new(lo),
             hi: (Vec::new(), Vec::new()),
             inv_freq,
-        };
-        for p in 0..LO {
-            t.push(p, false);
         }
-        t
     }
 
     fn adjacent(&self) -> bool {
@@ -257,11 +257,9 @@ impl RopeTable {
         self.inv_freq.len() * if self.adjacent() { 2 } else { 1 }
     }
 
-    /// Append position `p`'s row to the fine (`hi` false) or coarse table.
-    fn push(&mut self, p: usize, hi: bool) {
-        let adjacent = self.adjacent();
-        let (c, s) = if hi { &mut self.hi } else { &mut self.lo };
-        for &f in &self.inv_freq {
+    /// Append position `p`'s row to `(c, s)`.
+    fn push(inv_freq: &[f64], adjacent: bool, p: usize, (c, s): &mut (Vec<f32>, Vec<f32>)) {
+        for &f in inv_freq {
             let (sin, cos) = (p as f64 * f).sin_cos();
             let (cos, sin) = (cos as f32, sin as f32);
             if adjacent {
@@ -277,8 +275,9 @@ impl RopeTable {
     /// Cover positions `0..len`.
     pub(super) fn ensure(&mut self, len: usize) {
         let have = self.hi.0.len() / self.lanes();
+        let adjacent = self.adjacent();
         for k in have..len.div_ceil(LO) {
-            self.push(k * LO, true);
+            Self::push(&self.inv_freq, adjacent, k * LO, &mut self.hi);
         }
     }
 
