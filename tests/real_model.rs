@@ -180,7 +180,7 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             pre_rope: true,
             ..spec
         };
-        let mut store = KvqStore::for_model(&cfg, pre).unwrap();
+        let mut store = KvqStore::for_model(cfg, pre).unwrap();
         let (_, pkl) = perplexity_kl(
             &model,
             &ids,
