@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The kernel, core, cache and sequence tests under valgrind memcheck, on
+# The kernel, core, cache, sequence, codebook and pre-RoPE tests under valgrind memcheck, on
 # the portable and AVX2 backends. Valgrind does not decode AVX-512 and
 # hides it from CPUID, so the tests' backend lists skip it there (the
 # AVX-512 kernels are checked against the oracle by `cargo test`).
@@ -18,7 +18,7 @@ valgrind --version
 if [ "${1:-}" = quick ]; then
     tests=(kernels_backends)
 else
-    tests=(kernels_backends core cache sequences)
+    tests=(kernels_backends core cache sequences codebook pre_rope)
 fi
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done

@@ -17,21 +17,37 @@
 use super::{axpy, check_queries, dot};
 use crate::quant::fp8::Fp8;
 
-/// How a code decodes, before the group's scale.
+/// How a code decodes, before the group's scale: an fp8 byte (`fp8`:
+/// [`Fp8::decode`]'s sign, `magnitude << shift`, times `factor`) or
+/// `table[code]` (padded to 16 entries). Plain fields, no enum or
+/// `Option`: every byte is initialized, so code that reads the fields of
+/// both cases before choosing (as the optimizer may) reads no undefined
+/// padding (memcheck flagged an enum here).
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Book<'a> {
-    /// `table[code]` (padded to 16 entries).
-    Table(&'a [f32; 16]),
-    /// An fp8 byte ([`Fp8::decode`]).
-    Fp8(Fp8),
+pub(crate) struct Book<'a> {
+    pub(crate) table: &'a [f32; 16],
+    pub(crate) fp8: bool,
+    pub(crate) shift: u32,
+    pub(crate) factor: f32,
 }
 
-impl Book<'_> {
+impl<'a> Book<'a> {
+    /// The book of `fp8` (if set) or `table`.
+    pub(crate) fn new(table: &'a [f32; 16], fp8: Option<Fp8>) -> Book<'a> {
+        Book {
+            table,
+            fp8: fp8.is_some(),
+            shift: fp8.map_or(0, |f| f.shift()),
+            factor: fp8.map_or(0.0, |f| f.factor()),
+        }
+    }
+
     #[inline]
     fn value(self, c: u8) -> f32 {
-        match self {
-            Book::Table(t) => t[usize::from(c & 15)],
-            Book::Fp8(f) => f.decode(c),
+        if self.fp8 {
+            Fp8::decode_with(c, self.shift, self.factor)
+        } else {
+            self.table[usize::from(c & 15)]
         }
     }
 }

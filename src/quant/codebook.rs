@@ -434,10 +434,7 @@ impl CodebookCodec {
 
     /// What the kernels decode with.
     fn book(&self) -> kernels::codebook::Book<'_> {
-        match self.fp8 {
-            Some(f) => kernels::codebook::Book::Fp8(f),
-            None => kernels::codebook::Book::Table(&self.table),
-        }
+        kernels::codebook::Book::new(&self.table, self.fp8)
     }
 
     /// Largest `|x|` below which no group's scale can overflow the format:

@@ -62,8 +62,15 @@ impl Fp8 {
     /// never written).
     #[inline]
     pub fn decode(self, b: u8) -> f32 {
-        let bits = (u32::from(b & 0x80) << 24) | (u32::from(b & 0x7f) << self.shift());
-        f32::from_bits(bits) * self.factor()
+        Self::decode_with(b, self.shift(), self.factor())
+    }
+
+    /// [`decode`](Self::decode) with the format's [`shift`](Self::shift)
+    /// and [`factor`](Self::factor) given.
+    #[inline]
+    pub(crate) fn decode_with(b: u8, shift: u32, factor: f32) -> f32 {
+        let bits = (u32::from(b & 0x80) << 24) | (u32::from(b & 0x7f) << shift);
+        f32::from_bits(bits) * factor
     }
 
     /// The code nearest to `x` (finite), ties to the even code, beyond the

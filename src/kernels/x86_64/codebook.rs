@@ -16,11 +16,11 @@ use crate::store::PackedHead;
 #[inline(always)]
 pub(crate) fn takes<S: Simd>(l: &Layout, book: Book<'_>) -> bool {
     let hd = l.head_dim();
-    let plane = match (l.scheme().bits(), book) {
-        (8, Book::Fp8(_)) => hd,
-        (4, Book::Table(_)) => hd / 2,
-        (2, Book::Table(_)) => hd / 4,
-        (3, Book::Table(_)) => hd / 8,
+    let plane = match (l.scheme().bits(), book.fp8) {
+        (8, true) => hd,
+        (4, false) => hd / 2,
+        (2, false) => hd / 4,
+        (3, false) => hd / 8,
         _ => return false,
     };
     plane > 0 && plane.is_multiple_of(S::L)
@@ -205,8 +205,15 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
     let tokens = head.tokens();
     let nq = if sum { out.len() / hd } else { x.len() / hd };
     let (tbl, fp8) = match book {
-        Book::Table(t) => (s.table16(t), (0, 0.0)),
-        Book::Fp8(f) => (s.table16(&[0.0; 16]), (f.shift(), f.factor())),
+        Book {
+            table, fp8: false, ..
+        } => (s.table16(table), (0, 0.0)),
+        Book {
+            table,
+            shift,
+            factor,
+            ..
+        } => (s.table16(table), (shift, factor)),
     };
     let nch = hd / S::L;
     // Scales applied in the decode for groups of whole vectors (a shift
