@@ -4,7 +4,7 @@
 # hides it from CPUID, so the tests' backend lists skip it there (the
 # AVX-512 kernels are checked against the oracle by `cargo test`).
 #   bash scripts/valgrind.sh          # every test of those binaries
-#   bash scripts/valgrind.sh quick    # the kernel parity tests only (CI)
+#   bash scripts/valgrind.sh quick    # the kernel parity, codebook and pre-RoPE tests (CI)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v valgrind >/dev/null; then
@@ -16,7 +16,7 @@ if ! command -v valgrind >/dev/null; then
 fi
 valgrind --version
 if [ "${1:-}" = quick ]; then
-    tests=(kernels_backends)
+    tests=(kernels_backends codebook pre_rope)
 else
     tests=(kernels_backends core cache sequences codebook pre_rope)
 fi
