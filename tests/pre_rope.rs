@@ -188,13 +188,22 @@ fn pre_rope_survives_save_load_fork_and_truncate() {
     assert_eq!(attend(&back), attend(&c), "bit-identical after load");
     // Every byte of the RoPE header is checked (a flip of the base bits
     // gives another valid base, so only the checksum catches that one).
-    for at in 16 + 72..16 + 72 + 32 {
+    for at in 16 + 72..16 + 72 + 48 {
         let mut bad = bytes.clone();
         bad[at] ^= 0x80;
         assert!(LayerCache::load(&bad[..]).is_err(), "flipped byte {at}");
     }
     // A stream cut inside the RoPE header.
     assert!(LayerCache::load(&bytes[..16 + 72 + 10]).is_err());
+    // Scaling factors round-trip bit for bit (1.1 is not an f32).
+    let linear = ropes(hd)[3];
+    let mut l = LayerCache::new(cfg.pre_rope(linear)).unwrap();
+    l.extend(&k[..10 * w], &v[..10 * w]).unwrap();
+    let mut lb = Vec::new();
+    l.save(&mut lb).unwrap();
+    let l2 = LayerCache::load(&lb[..]).unwrap();
+    assert!(l2 == l);
+    assert_eq!(l2.config().rope(), Some(linear));
 
     // Truncate, then append the same tokens again: as if never cut.
     let mut t = c.fork();

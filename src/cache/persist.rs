@@ -82,7 +82,7 @@ struct LayerHeader {
     values: CodecTag,
 }
 
-/// The RoPE of a pre-RoPE cache (32 bytes), after its [`LayerHeader`]
+/// The RoPE of a pre-RoPE cache (48 bytes), after its [`LayerHeader`]
 /// when flag bit 2 is set.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
@@ -95,12 +95,13 @@ struct RopeHeader {
     /// `0` none, `1` linear, `2` Llama 3.
     scaling: u8,
     reserved: u16,
-    /// Scaling parameters as `f32` bits (zero where unused): the factor,
+    /// Scaling parameters as `f64` bits (zero where unused): the factor,
     /// Llama 3's low and high frequency factors.
-    factor: u32,
-    low: u32,
-    high: u32,
+    factor: u64,
+    low: u64,
+    high: u64,
     original_max_position: u32,
+    reserved1: u32,
 }
 
 /// The row counts of one of K or V (24 bytes).
@@ -118,7 +119,7 @@ const _: () = {
     assert!(size_of::<CodecTag>() == 16);
     assert!(size_of::<LayerHeader>() == 72);
     assert!(size_of::<TensorHeader>() == 24);
-    assert!(size_of::<RopeHeader>() == 32);
+    assert!(size_of::<RopeHeader>() == 48);
 };
 
 /// The checksum of a saved stream: 64-bit FNV-1a over every byte before
@@ -311,7 +312,7 @@ fn codec_tag(c: Option<Codec>) -> CodecTag {
 }
 
 fn rope_header(r: &Rope) -> RopeHeader {
-    let f = |x: f64| (x as f32).to_bits().to_le();
+    let f = |x: f64| x.to_bits().to_le();
     let (scaling, factor, low, high, original_max_position) = match r.scaling() {
         RopeScaling::None => (0, 0, 0, 0, 0),
         RopeScaling::Linear { factor } => (1, f(factor), 0, 0, 0),
@@ -341,6 +342,7 @@ fn rope_header(r: &Rope) -> RopeHeader {
         low,
         high,
         original_max_position,
+        reserved1: 0,
     }
 }
 
@@ -350,17 +352,17 @@ fn header_rope(h: &RopeHeader) -> std::result::Result<Rope, String> {
         1 => RopeStyle::Adjacent,
         x => return Err(format!("RoPE style byte {x}")),
     };
-    let f = |x: u32| f64::from(f32::from_bits(u32::from_le(x)));
+    let f = |x: u64| f64::from_bits(u64::from_le(x));
     let (factor, low, high, n) = (
         f(h.factor),
         f(h.low),
         f(h.high),
         u32::from_le(h.original_max_position),
     );
-    let unused = |bits: &[u32]| bits.iter().all(|&b| b == 0);
+    let unused = |bits: &[u64]| bits.iter().all(|&b| b == 0);
     let scaling = match h.scaling {
-        0 if unused(&[h.factor, h.low, h.high, n]) => RopeScaling::None,
-        1 if unused(&[h.low, h.high, n]) => RopeScaling::Linear { factor },
+        0 if unused(&[h.factor, h.low, h.high, n.into()]) => RopeScaling::None,
+        1 if unused(&[h.low, h.high, n.into()]) => RopeScaling::Linear { factor },
         2 => RopeScaling::Llama3 {
             factor,
             low_freq_factor: low,
@@ -369,7 +371,7 @@ fn header_rope(h: &RopeHeader) -> std::result::Result<Rope, String> {
         },
         x => return Err(format!("RoPE scaling byte {x} or its parameters")),
     };
-    if h.reserved != 0 {
+    if h.reserved != 0 || h.reserved1 != 0 {
         return Err("RoPE reserved bytes are not zero".into());
     }
     let dims = u32::from_le(h.dims) as usize;
@@ -513,13 +515,13 @@ impl LayerCache {
     }
 
     /// Bytes [`save`](Self::save) writes: [`bytes`](Self::bytes) plus the
-    /// headers and the checksum (144 bytes; 176 with pre-RoPE keys).
+    /// headers and the checksum (144 bytes; 192 with pre-RoPE keys).
     pub fn saved_bytes(&self) -> usize {
         16 + self.layer_saved_bytes() + 8
     }
 
     fn layer_saved_bytes(&self) -> usize {
-        72 + if self.cfg.rope.is_some() { 32 } else { 0 } + 2 * 24 + self.bytes().total()
+        72 + if self.cfg.rope.is_some() { 48 } else { 0 } + 2 * 24 + self.bytes().total()
     }
 
     /// Write the cache to `w`: configuration, every stored byte, and a
