@@ -127,18 +127,22 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             value_levels: None,
             pre_rope: false,
         };
-        let mut store = KvqStore::new(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, spec).unwrap();
-        let (q, kl) = perplexity_kl(
-            &model,
-            &ids,
-            &mut store,
-            &mut Hooks::default(),
-            &opts,
-            Kl::Compare(&reference),
-            |_, _| {},
-        )
-        .unwrap();
-        let kl = kl.unwrap();
+        // The window through a kvq store of `spec`: ppl and next-token KL.
+        let run = |spec: CacheSpec| {
+            let mut store = KvqStore::for_model(cfg, spec).unwrap();
+            let (q, kl) = perplexity_kl(
+                &model,
+                &ids,
+                &mut store,
+                &mut Hooks::default(),
+                &opts,
+                Kl::Compare(&reference),
+                |_, _| {},
+            )
+            .unwrap();
+            (q, kl.unwrap())
+        };
+        let (q, kl) = run(spec);
         println!(
             "{name}: KIVI-4 first window next-token KL {:.5} (p99 {:.4}, same top-1 {:.2} %)",
             kl.mean,
@@ -180,18 +184,7 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             pre_rope: true,
             ..spec
         };
-        let mut store = KvqStore::for_model(cfg, pre).unwrap();
-        let (_, pkl) = perplexity_kl(
-            &model,
-            &ids,
-            &mut store,
-            &mut Hooks::default(),
-            &opts,
-            Kl::Compare(&reference),
-            |_, _| {},
-        )
-        .unwrap();
-        let pkl = pkl.unwrap();
+        let (_, pkl) = run(pre);
         println!(
             "{name}: KIVI-4 with pre-RoPE keys, first window next-token KL {:.5}",
             pkl.mean
