@@ -22,7 +22,7 @@ use crate::quant::fp8::Fp8;
 /// `table[code]` (padded to 16 entries). Plain fields, no enum or
 /// `Option`: every byte is initialized, so code that reads the fields of
 /// both cases before choosing (as the optimizer may) reads no undefined
-/// padding (memcheck flagged an enum here).
+/// bytes, and memcheck can check the decode.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Book<'a> {
     pub(crate) table: &'a [f32; 16],
