@@ -4,7 +4,7 @@
 use half::f16;
 mod common;
 
-use common::{max_abs_diff, Rng};
+use common::{backends, max_abs_diff, placed, Rng};
 use kvq::cache::dense_attention;
 use kvq::{Axis, CacheConfig, Error, Group, KvCache, LayerCache, Mode, QuantScheme, ScaleFormat};
 
@@ -163,8 +163,9 @@ fn gqa_equals_per_head() {
         .sinks(2);
     let mut c = LayerCache::new(cfg).unwrap();
     let mut rng = Rng::new(9);
-    fill(&mut c, 300, &mut rng);
-    let (kd, vd) = (c.keys_f32(), c.values_f32());
+    let (kr, vr) = fill(&mut c, 300, &mut rng);
+    let (kd, vd) = placed(&cfg, &kr, &vr);
+    assert_eq!((c.keys_f32(), c.values_f32()), (kd.clone(), vd.clone()));
     for r in [1usize, 2, 3, 8] {
         let n_q = n_kv * r;
         let q = rng.vec(n_q * hd);
@@ -192,49 +193,47 @@ fn per_channel_flush_across_block_boundaries() {
         scheme(3, Axis::PerChannel, Group::Size(g)),
         scheme(3, Axis::PerToken, Group::Size(16)),
     );
-    for len in [g - 1, g, g + 1, 3 * g + r - 1, 3 * g + r, 3 * g + r + 1] {
-        for (res, sinks) in [(0, 0), (r, 0), (r, 4)] {
-            let cfg = CacheConfig::new(n_kv, hd)
-                .keys(ks)
-                .values(vs)
-                .residual(res)
-                .sinks(sinks);
-            let mut c = LayerCache::new(cfg).unwrap();
-            let mut rng = Rng::new(len as u64 + 1);
-            let (kr, vr) = fill(&mut c, len, &mut rng);
-            let after_sinks = len.saturating_sub(sinks);
-            let (pk, pv) = c.packed_len();
-            // Keys: whole blocks only, at least `res` newest kept exact.
-            let want_pk = if after_sinks >= res + g {
-                (after_sinks - res) / g * g
-            } else {
-                0
-            };
-            assert_eq!(pk, want_pk, "len {len} res {res}");
-            assert_eq!(pv, after_sinks.saturating_sub(res));
-            let kd = c.keys_f32();
-            let w = n_kv * hd;
-            // Sinks and unpacked tail are exact.
-            assert_eq!(&kd[..sinks.min(len) * w], &kr[..sinks.min(len) * w]);
-            let tail0 = (sinks + pk).min(len) * w;
-            assert_eq!(&kd[tail0..], &kr[tail0..]);
-            if pk > 0 {
-                assert_ne!(&kd[sinks * w..tail0], &kr[sinks * w..tail0]);
+    for backend in backends() {
+        for len in [g - 1, g, g + 1, 3 * g + r - 1, 3 * g + r, 3 * g + r + 1] {
+            for (res, sinks) in [(0, 0), (r, 0), (r, 4)] {
+                let cfg = CacheConfig::new(n_kv, hd)
+                    .keys(ks)
+                    .values(vs)
+                    .residual(res)
+                    .sinks(sinks)
+                    .backend(backend);
+                let mut c = LayerCache::new(cfg).unwrap();
+                let mut rng = Rng::new(len as u64 + 1);
+                let (kr, vr) = fill(&mut c, len, &mut rng);
+                let after_sinks = len.saturating_sub(sinks);
+                let (pk, pv) = c.packed_len();
+                // Keys: whole blocks only, at least `res` newest kept exact.
+                let want_pk = if after_sinks >= res + g {
+                    (after_sinks - res) / g * g
+                } else {
+                    0
+                };
+                let at = format!("{backend:?} len {len} res {res} sinks {sinks}");
+                assert_eq!(pk, want_pk, "{at}");
+                assert_eq!(pv, after_sinks.saturating_sub(res), "{at}");
+                // Every row where the shadow puts it: sinks and tail exact,
+                // the sealed region as the codec quantizes the raw rows.
+                let (kd, vd) = placed(&cfg, &kr, &vr);
+                let w = n_kv * hd;
+                let tail0 = (sinks + pk).min(len) * w;
+                assert_eq!(&kd[tail0..], &kr[tail0..], "{at}");
+                if pk > 0 {
+                    assert_ne!(&kd[sinks * w..tail0], &kr[sinks * w..tail0], "{at}");
+                }
+                assert_eq!(c.keys_f32(), kd, "{at}: keys");
+                assert_eq!(c.values_f32(), vd, "{at}: values");
+                let q = rng.vec(2 * n_kv * hd);
+                let mut out = vec![0.0; q.len()];
+                c.attend(&q, 2 * n_kv, &mut out).unwrap();
+                let want =
+                    dense_attention(&q, 2 * n_kv, &kd, &vd, n_kv, hd, 1.0 / (hd as f32).sqrt());
+                assert!(max_abs_diff(&out, &want) < 1e-5, "{at}");
             }
-            let q = rng.vec(2 * n_kv * hd);
-            let mut out = vec![0.0; q.len()];
-            c.attend(&q, 2 * n_kv, &mut out).unwrap();
-            let want = dense_attention(
-                &q,
-                2 * n_kv,
-                &kd,
-                &c.values_f32(),
-                n_kv,
-                hd,
-                1.0 / (hd as f32).sqrt(),
-            );
-            assert!(max_abs_diff(&out, &want) < 1e-5, "len {len}");
-            let _ = vr;
         }
     }
 }
@@ -242,16 +241,26 @@ fn per_channel_flush_across_block_boundaries() {
 #[test]
 fn sinks_stay_exact() {
     let (n_kv, hd) = (1, 64);
-    let cfg = CacheConfig::new(n_kv, hd)
-        .keys(scheme(2, Axis::PerToken, Group::Size(32)))
-        .values(scheme(2, Axis::PerToken, Group::Size(32)))
-        .sinks(4);
-    let mut c = LayerCache::new(cfg).unwrap();
-    let mut rng = Rng::new(3);
-    let (ks, _) = fill(&mut c, 40, &mut rng);
-    let kd = c.keys_f32();
-    assert_eq!(&kd[..4 * hd], &ks[..4 * hd]);
-    assert_ne!(&kd[4 * hd..5 * hd], &ks[4 * hd..5 * hd]);
+    for backend in backends() {
+        let cfg = CacheConfig::new(n_kv, hd)
+            .keys(scheme(2, Axis::PerToken, Group::Size(32)))
+            .values(scheme(2, Axis::PerToken, Group::Size(32)))
+            .sinks(4)
+            .backend(backend);
+        let mut c = LayerCache::new(cfg).unwrap();
+        let mut rng = Rng::new(3);
+        let (ks, vs) = fill(&mut c, 40, &mut rng);
+        let (kd, vd) = placed(&cfg, &ks, &vs);
+        assert_eq!(&kd[..4 * hd], &ks[..4 * hd]);
+        assert_ne!(&kd[4 * hd..5 * hd], &ks[4 * hd..5 * hd]);
+        assert_eq!(c.keys_f32(), kd, "{backend:?}");
+        assert_eq!(c.values_f32(), vd, "{backend:?}");
+        let q = rng.vec(3 * hd);
+        let mut out = vec![0.0; q.len()];
+        c.attend(&q, 3, &mut out).unwrap();
+        let want = dense_attention(&q, 3, &kd, &vd, n_kv, hd, 0.125);
+        assert!(max_abs_diff(&out, &want) < 1e-5, "{backend:?}");
+    }
 }
 
 #[test]
@@ -477,11 +486,15 @@ fn causal_block_attention_and_window() {
     let cfg = CacheConfig::new(n_kv, hd).keys(k).values(v).residual(8);
     let mut c = LayerCache::new(cfg).unwrap();
     let mut rng = Rng::new(21);
-    fill(&mut c, 100, &mut rng);
+    let (mut kr, mut vr) = fill(&mut c, 100, &mut rng);
     let w = n_kv * hd;
     let n = 70;
-    c.extend(&rng.vec(n * w), &rng.vec(n * w)).unwrap();
-    let (kd, vd) = (c.keys_f32(), c.values_f32());
+    let (kn, vn) = (rng.vec(n * w), rng.vec(n * w));
+    c.extend(&kn, &vn).unwrap();
+    kr.extend(kn);
+    vr.extend(vn);
+    let (kd, vd) = placed(&cfg, &kr, &vr);
+    assert_eq!((c.keys_f32(), c.values_f32()), (kd.clone(), vd.clone()));
     let q = rng.vec(n * n_q * hd);
     for window in [None, Some(1), Some(17), Some(1000)] {
         let mut out = vec![0.0; q.len()];
@@ -744,7 +757,8 @@ fn token_split_decode_matches_single_thread() {
         b.attend_causal(&q, 2 * n_kv, &mut ob, window).unwrap();
         let d = max_abs_diff(&oa, &ob);
         assert!(d < 1e-5, "n_kv {n_kv} window {window:?}: {d}");
-        let (kd, vd) = (a.keys_f32(), a.values_f32());
+        let (kd, vd) = placed(a.config(), &ks, &vs);
+        assert_eq!((b.keys_f32(), b.values_f32()), (kd.clone(), vd.clone()));
         let w = n_kv * hd;
         let lo = window.map_or(0, |wn| 6001 - wn);
         let want = dense_attention(&q, 2 * n_kv, &kd[lo * w..], &vd[lo * w..], n_kv, hd, 0.125);

@@ -109,9 +109,8 @@ struct Scratch {
 }
 
 /// Bytes `caches` hold together: each cache's own rows and packed
-/// buffers, and every packed segment that forks share
-/// ([`LayerCache::fork`]) once, whole (a segment a truncate shortened
-/// still holds all its bytes while any cache refers to it).
+/// buffers, and every sealed page that forks share
+/// ([`LayerCache::fork`]) once.
 pub fn resident_bytes<'a>(caches: impl IntoIterator<Item = &'a LayerCache>) -> CacheBytes {
     let mut seen = std::collections::HashSet::new();
     let mut total = CacheBytes::default();
@@ -407,18 +406,17 @@ impl LayerCache {
     /// instead of copying them (beam search, parallel sampling, a prompt
     /// prefix reused by many requests).
     ///
-    /// The packed tokens so far are frozen into a segment both caches
-    /// hold (reference-counted, never written again); each then appends
-    /// into buffers of its own, and `truncate` shortens its view of a
-    /// segment without touching it. Sinks and the residual window (a few
-    /// hundred rows at most) are copied, as are packed tokens appended
-    /// since the last freeze when there are fewer than 256 of them (so
-    /// every segment is long enough to attend efficiently: each is one
-    /// kernel call per head). A fork equals the original byte for byte
+    /// Packed tokens live in pages of 1024 tokens (rounded up to whole
+    /// per-channel blocks), sealed when full and never written again: both
+    /// caches hold the sealed pages (reference-counted) and each appends
+    /// into pages of its own. What a fork copies is the page being filled
+    /// (fewer than 1024 tokens), the sinks and the residual window; a
+    /// `truncate` that cuts into a shared page copies that page's
+    /// surviving tokens (copy on write) and leaves the other holders'
+    /// page as it is. A fork equals the original byte for byte
     /// ([`PartialEq`], [`save`](Self::save)) and goes on exactly as the
-    /// original would; [`resident_bytes`] counts shared segments once.
-    /// (`clone()` also shares segments frozen by earlier forks, and
-    /// copies the rest.)
+    /// original would; [`resident_bytes`] counts shared pages once.
+    /// `fork` is `clone`: the sharing is the storage's, not the call's.
     ///
     /// # Example
     /// ```
@@ -426,7 +424,7 @@ impl LayerCache {
     /// let (keys, values) = presets::kivi(4)?;
     /// let mut prompt = LayerCache::new(CacheConfig::new(2, 64).keys(keys).values(values))?;
     /// let row: Vec<f32> = (0..128).map(|c| (c % 5) as f32 / 5.0).collect();
-    /// for _ in 0..2000 {
+    /// for _ in 0..4096 {
     ///     prompt.append(&row, &row)?;
     /// }
     /// let mut beams: Vec<LayerCache> = (0..4).map(|_| prompt.fork()).collect();
@@ -438,9 +436,7 @@ impl LayerCache {
     /// assert!(shared < alone / 3);
     /// # Ok::<(), kvq::Error>(())
     /// ```
-    pub fn fork(&mut self) -> LayerCache {
-        self.k.freeze();
-        self.v.freeze();
+    pub fn fork(&self) -> LayerCache {
         self.clone()
     }
 

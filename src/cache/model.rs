@@ -77,9 +77,9 @@ impl KvCache {
         }
     }
     /// A copy sharing every layer's packed tokens ([`LayerCache::fork`]).
-    pub fn fork(&mut self) -> KvCache {
+    pub fn fork(&self) -> KvCache {
         KvCache {
-            layers: self.layers.iter_mut().map(LayerCache::fork).collect(),
+            layers: self.layers.iter().map(LayerCache::fork).collect(),
         }
     }
     /// Keep the first `len` tokens of every layer

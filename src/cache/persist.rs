@@ -490,6 +490,7 @@ impl Tensor {
             }
         }
         self.packed = packed;
+        self.repage();
         let tail_len = rows(tail_rows)?;
         let tail = i.take_f32(tail_len, "full-precision rows")?;
         check_finite(op, &tail, n_kv, hd, sink_rows + packed).map_err(content)?;

@@ -15,38 +15,44 @@ pub(super) struct Tensor {
     /// Full-precision tail rows; live rows start at `tail_start`.
     pub(super) tail: Vec<f32>,
     pub(super) tail_start: usize,
-    /// Packed tokens: those of the frozen segments, then the live ones.
+    /// Packed tokens: those of the sealed pages, then the live ones.
     pub(super) packed: usize,
-    /// Packed tokens frozen by [`LayerCache::fork`], oldest first: shared
-    /// by every fork that holds them, never written again.
+    /// Packed tokens per page: [`PAGE_TOKENS`] rounded up to whole
+    /// quantized units.
+    pub(super) page: usize,
+    /// Full pages of packed tokens, oldest first: sealed once full,
+    /// never written again, shared by every fork that holds them.
     pub(super) frozen: Vec<Segment>,
-    /// The live packed tokens after the frozen ones: per head codes (and
-    /// params, or one shared param buffer).
+    /// The live packed tokens after the sealed pages (fewer than a page):
+    /// per head codes (and params, or one shared param buffer), each
+    /// reserved to a whole page when it is first written.
     pub(super) codes: Vec<Vec<u8>>,
     pub(super) params: Vec<Vec<u8>>,
     /// Per-channel: running min/max of the block being filled.
     pub(super) pend: Pending,
 }
 
-/// Packed buffers frozen by a fork (the live buffers' shape).
+/// A sealed page's buffers (the live buffers' shape).
 #[derive(Debug)]
 pub(super) struct Frozen {
     codes: Vec<Vec<u8>>,
     params: Vec<Vec<u8>>,
 }
 
-/// The first `tokens` tokens of a frozen buffer set (a truncate may leave
-/// fewer than it holds; never more).
+/// One sealed page: always whole (a truncate that cuts into one takes
+/// its survivors back into the live buffers).
 #[derive(Debug, Clone)]
 pub(super) struct Segment {
     data: Arc<Frozen>,
     tokens: usize,
 }
 
-/// Live packed tokens below which a fork copies them instead of freezing
-/// them into a shared segment, so segments (each a kernel call per head
-/// when attending) stay long.
-const FREEZE_MIN_TOKENS: usize = 256;
+/// Packed tokens per page. A page is one kernel call per head when
+/// attending, so pages are long enough for that call's setup to vanish
+/// beside its tokens; and the most a buffer holds beyond what
+/// [`LayerCache::bytes`] reports is one page per head (the live page's
+/// reserve), whatever the length.
+pub(super) const PAGE_TOKENS: usize = 1024;
 
 impl PartialEq for Tensor {
     /// Equal when every stored number agrees (ignoring spare capacity and
@@ -76,6 +82,7 @@ impl Tensor {
             _ => n_kv,
         };
         let pc = matches!(layout, Some(l) if l.scheme().axis() == Axis::PerChannel);
+        let unit = layout.map_or(1, |l| l.block_tokens());
         Tensor {
             codec,
             width: n_kv * hd,
@@ -85,6 +92,7 @@ impl Tensor {
             tail: Vec::new(),
             tail_start: 0,
             packed: 0,
+            page: PAGE_TOKENS.div_ceil(unit).saturating_mul(unit),
             frozen: Vec::new(),
             codes: vec![Vec::new(); n_kv],
             params: vec![Vec::new(); np],
@@ -289,7 +297,9 @@ impl Tensor {
     }
 
     /// Keep the first `packed` packed tokens (a multiple of the unit).
-    /// Frozen segments are shortened, never written.
+    /// Pages past the cut are released; a page the cut lands in becomes
+    /// the live page again: moved back when no fork holds it, its
+    /// surviving bytes copied when one does (copy on write).
     fn drop_packed(&mut self, packed: usize) {
         let mut left = packed;
         self.frozen.retain_mut(|seg| {
@@ -298,6 +308,17 @@ impl Tensor {
             seg.tokens > 0
         });
         self.packed = packed;
+        if self.frozen.last().is_some_and(|s| s.tokens < self.page) {
+            let seg = self.frozen.pop().expect("checked above");
+            left = seg.tokens;
+            let Frozen { codes, params } =
+                Arc::try_unwrap(seg.data).unwrap_or_else(|shared| Frozen {
+                    codes: shared.codes.clone(),
+                    params: shared.params.clone(),
+                });
+            self.codes = codes;
+            self.params = params;
+        }
         if let Some(l) = self.layout() {
             let params = l.param_bytes(left) / self.params.len();
             for c in &mut self.codes {
@@ -309,18 +330,14 @@ impl Tensor {
         }
     }
 
-    /// Packed tokens in frozen segments.
+    /// Packed tokens in sealed pages.
     pub(super) fn frozen_tokens(&self) -> usize {
-        self.frozen.iter().map(|s| s.tokens).sum()
+        debug_assert!(self.frozen.last().is_none_or(|s| s.tokens == self.page));
+        self.frozen.len() * self.page
     }
 
-    /// Freeze the live packed tokens into a shared segment (when there
-    /// are enough of them), so a clone shares them instead of copying.
-    pub(super) fn freeze(&mut self) {
-        let live = self.packed - self.frozen_tokens();
-        if live < FREEZE_MIN_TOKENS {
-            return;
-        }
+    /// Seal the live buffers, a whole page, as a shared page.
+    fn seal_page(&mut self) {
         let (nc, np) = (self.codes.len(), self.params.len());
         let data = Frozen {
             codes: std::mem::replace(&mut self.codes, vec![Vec::new(); nc]),
@@ -328,8 +345,61 @@ impl Tensor {
         };
         self.frozen.push(Segment {
             data: Arc::new(data),
-            tokens: live,
+            tokens: self.page,
         });
+    }
+
+    /// Give each live buffer room for a whole page, so it grows by one
+    /// allocation per page and never holds more than a page.
+    fn reserve_page(&mut self, l: &Layout) {
+        let cb = l.head_code_bytes(self.page);
+        let pb = self.param_len(l, self.page);
+        for (v, want) in self
+            .codes
+            .iter_mut()
+            .map(|v| (v, cb))
+            .chain(self.params.iter_mut().map(|v| (v, pb)))
+        {
+            if v.capacity() < want {
+                v.reserve_exact(want - v.len());
+            }
+        }
+    }
+
+    /// Split live buffers holding more than a page (as a load reads
+    /// them) into sealed pages and a live remainder.
+    pub(super) fn repage(&mut self) {
+        let Some(l) = self.layout() else { return };
+        let live = self.packed - self.frozen_tokens();
+        if live < self.page {
+            return;
+        }
+        let (cb, pb) = (l.head_code_bytes(self.page), self.param_len(&l, self.page));
+        let pages = live / self.page;
+        let mut sealed: Vec<Frozen> = (0..pages)
+            .map(|_| Frozen {
+                codes: Vec::with_capacity(self.codes.len()),
+                params: Vec::with_capacity(self.params.len()),
+            })
+            .collect();
+        let split = |v: &mut Vec<u8>, size: usize, k: usize| v[k * size..(k + 1) * size].to_vec();
+        for v in &mut self.codes {
+            for (k, f) in sealed.iter_mut().enumerate() {
+                f.codes.push(split(v, cb, k));
+            }
+            *v = v[pages * cb..].to_vec();
+        }
+        for v in &mut self.params {
+            for (k, f) in sealed.iter_mut().enumerate() {
+                f.params.push(split(v, pb, k));
+            }
+            *v = v[pages * pb..].to_vec();
+        }
+        let page = self.page;
+        self.frozen.extend(sealed.into_iter().map(|f| Segment {
+            data: Arc::new(f),
+            tokens: page,
+        }));
     }
 
     /// Bytes of param buffer `i` for `t` tokens.
@@ -338,7 +408,7 @@ impl Tensor {
     }
 
     /// Head `h`'s packed tokens as views, each with its first packed
-    /// position: one per frozen segment, then the live tokens.
+    /// position: one per sealed page, then the live tokens.
     pub(super) fn views(&self, h: usize) -> Vec<(usize, PackedHead<'_>)> {
         let Some(l) = self.layout() else {
             return Vec::new();
@@ -368,7 +438,7 @@ impl Tensor {
         out
     }
 
-    /// Head `h`'s packed codes, all segments in order.
+    /// Head `h`'s packed codes, all pages in order.
     pub(super) fn head_codes(&self, h: usize) -> Vec<u8> {
         let Some(l) = self.layout() else {
             return Vec::new();
@@ -381,7 +451,7 @@ impl Tensor {
         out
     }
 
-    /// Param buffer `i`, all segments in order.
+    /// Param buffer `i`, all pages in order.
     pub(super) fn param_buf(&self, i: usize) -> Vec<u8> {
         let Some(l) = self.layout() else {
             return Vec::new();
@@ -395,7 +465,7 @@ impl Tensor {
     }
 
     /// Bytes this tensor holds alone: sink and residual rows, live packed
-    /// codes and params (frozen segments are in [`segments`](Self::segments)).
+    /// codes and params (sealed pages are in [`segments`](Self::segments)).
     pub(super) fn own_bytes(&self) -> CacheBytes {
         CacheBytes {
             codes: self.codes.iter().map(Vec::len).sum(),
@@ -404,7 +474,7 @@ impl Tensor {
         }
     }
 
-    /// Each frozen segment's buffers (an identity for counting a shared
+    /// Each sealed page's buffers (an identity for counting a shared
     /// one once) and the codes and param bytes they hold, whole.
     pub(super) fn segments(&self) -> impl Iterator<Item = (*const Frozen, CacheBytes)> + '_ {
         self.frozen.iter().map(|seg| {
@@ -477,9 +547,11 @@ impl Tensor {
         backend: Backend,
         scratch: &mut Scratch,
     ) {
-        let (Some(c), Some(l)) = (&self.codec, self.layout()) else {
+        let Some(l) = self.layout() else {
             unreachable!("only a tensor with a codec quantizes");
         };
+        self.reserve_page(&l);
+        let c = self.codec.as_ref().expect("a layout comes from a codec");
         let rb = l.row_bytes();
         let token = self.sinks + self.packed;
         match l.scheme().axis() {
@@ -522,6 +594,9 @@ impl Tensor {
             }
         }
         self.packed += unit;
+        if self.packed - self.frozen_tokens() == self.page {
+            self.seal_page();
+        }
     }
 
     /// Tokens quantized at a time, 1 when full precision.
@@ -547,7 +622,7 @@ impl Tensor {
         let (x0, x1) = clip(n_sink, p_end);
         if x0 < x1 {
             for (s0, view) in self.views(h) {
-                // The segment's positions, clipped to `x0..x1`.
+                // The page's positions, clipped to `x0..x1`.
                 let (v0, v1) = (n_sink + s0, n_sink + s0 + view.tokens());
                 let (y0, y1) = (x0.max(v0), x1.min(v1));
                 if y0 < y1 {

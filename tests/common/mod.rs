@@ -113,3 +113,43 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// What a cache of `cfg` built by appending the raw rows `ks` / `vs`
+/// (`[tokens, n_kv_heads·head_dim]`) in order hands attention, derived
+/// from the configuration alone, not from the cache's buffers: sinks
+/// exact, then the sealed region quantized by [`kvq::Codec::roundtrip`]
+/// (whole blocks of `block_tokens()` for per-channel schemes, every token
+/// past the window for per-token ones), then the exact tail of at least
+/// `residual` tokens.
+///
+/// A token packed into the wrong slot, sealed too early or too late, or a
+/// sink or tail row lost shows up as a difference from this shadow. Keys
+/// before RoPE are compared as stored (the cache rotates them in its
+/// scores only).
+pub fn placed(cfg: &kvq::CacheConfig, ks: &[f32], vs: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (n_kv, hd) = (cfg.n_kv_heads(), cfg.head_dim());
+    let side = |codec: Option<kvq::Codec>, raw: &[f32]| -> Vec<f32> {
+        let w = n_kv * hd;
+        assert_eq!(raw.len() % w, 0);
+        let mut out = raw.to_vec();
+        let Some(codec) = codec else { return out };
+        let len = raw.len() / w;
+        let sinks = cfg.sink_len().min(len);
+        let after = len - sinks;
+        let unit = codec.scheme().layout(n_kv, hd).unwrap().block_tokens();
+        let res = cfg.residual_len();
+        let sealed = if after >= res.saturating_add(unit) {
+            (after - res) / unit * unit
+        } else {
+            0
+        };
+        let region = sinks * w..(sinks + sealed) * w;
+        let q = codec.roundtrip(&raw[region.clone()], n_kv, hd).unwrap();
+        out[region].copy_from_slice(&q);
+        out
+    };
+    (
+        side(cfg.key_codec_spec(), ks),
+        side(cfg.value_codec_spec(), vs),
+    )
+}
