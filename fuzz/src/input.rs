@@ -7,14 +7,14 @@ impl Rng {
     pub fn new(seed: u64) -> Self {
         Rng(seed.max(1))
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
+        (self.next_u64() % n.max(1) as u64) as usize
     }
 }
 
@@ -72,7 +72,7 @@ pub fn mutate(rng: &mut Rng, corpus: &[Vec<u8>]) -> Vec<u8> {
             }
             2 if len > 0 => {
                 let i = rng.below(len);
-                x[i] = [0, 1, 0x7f, 0x80, 0xff, rng.next() as u8][rng.below(6)];
+                x[i] = [0, 1, 0x7f, 0x80, 0xff, rng.next_u64() as u8][rng.below(6)];
             }
             3 | 4 if len >= 8 => {
                 let v = INTERESTING_INTS[rng.below(INTERESTING_INTS.len())];
@@ -98,7 +98,7 @@ pub fn mutate(rng: &mut Rng, corpus: &[Vec<u8>]) -> Vec<u8> {
             7 => {
                 let at = rng.below(len + 1);
                 let k = 1 + rng.below(16);
-                let ins: Vec<u8> = (0..k).map(|_| rng.next() as u8).collect();
+                let ins: Vec<u8> = (0..k).map(|_| rng.next_u64() as u8).collect();
                 x.splice(at..at, ins);
             }
             8 if len > 0 => {

@@ -10,7 +10,7 @@
 //! cargo run --release -p kvq-fuzz -- write-seeds            # regenerate fuzz/corpus
 //! ```
 //!
-//! Not coverage-guided (that needs `cargo-afl` or a nightly toolchain): each
+//! Not coverage-guided (`fuzz/afl/` runs the same targets under AFL++): each
 //! input is a corpus entry under a few byte-level mutations (bit flips,
 //! interesting integers and floats at random offsets, deletions, insertions,
 //! splices, truncation). The structured targets read their choices from the
@@ -24,11 +24,8 @@
 //! refuses, so the process aborts and the run fails (the seed and the
 //! last progress line reproduce it).
 
-mod input;
-mod seeds;
-mod targets;
-
 use clap::{Parser, Subcommand};
+use kvq_fuzz::{input, seeds, targets, TARGETS};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
@@ -104,9 +101,6 @@ enum Cmd {
         corpus: PathBuf,
     },
 }
-
-/// Every target; `all` runs them in this order.
-const TARGETS: &[&str] = &["block", "load", "config", "ops", "gguf"];
 
 fn main() {
     // `all` and a bare target name read as `run`.

@@ -16,7 +16,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             let mut rng = Rng::new(0x5eed ^ target.len() as u64);
             [16usize, 64, 256, 1024]
                 .iter()
-                .map(|&n| (0..n).map(|_| rng.next() as u8).collect())
+                .map(|&n| (0..n).map(|_| rng.next_u64() as u8).collect())
                 .collect()
         }
     }

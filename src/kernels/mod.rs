@@ -59,8 +59,8 @@
 //!
 //! All backends compute in `f32` from the stored scales and zeros, and
 //! agree with [`reference`](mod@reference) (dequantize, then `f64` math) to
-//! about `1e-6` of `Σ_c |q_c·k̂_c|` for scores and of `Σ_t |p_t·v̂_t|` for
-//! weighted sums. The SIMD backends use FMA and another summation order
+//! within `1e-6` of `Σ_c |q_c·k̂_c|` for scores and of `Σ_t |p_t·v̂_t|` for
+//! weighted sums (the tolerance the backend tests hold every kernel to). The SIMD backends use FMA and another summation order
 //! than the portable one, so backends differ in the last bits; force
 //! [`Backend::Portable`] for results identical across machines.
 

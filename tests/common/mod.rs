@@ -10,7 +10,7 @@ use kvq::Backend;
 
 /// Relative tolerance of a SIMD kernel against the `f64` oracle, as a
 /// fraction of the summed magnitudes (`Σ|q_c·k̂_c|`, `Σ|p_t·v̂_t|`).
-pub const KERNEL_TOL: f64 = 1e-5;
+pub const KERNEL_TOL: f64 = 1e-6;
 
 /// xorshift64*, seeded through a multiply so that small and zero seeds
 /// give unrelated streams: deterministic data without a rand dependency.
