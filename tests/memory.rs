@@ -69,13 +69,13 @@ fn a_cache_holds_what_it_reports_plus_a_constant() {
             .residual(res)
             .sinks(sinks);
         // What a cache may hold beyond `bytes()`, whatever its length:
-        // the page being filled (reserved whole: 1024 tokens of K and of
-        // V), the full-precision tail with its not yet compacted rows and
+        // the spare capacity of the page being filled (under a page of
+        // 4096 tokens of K and of V), the full-precision tail with its not yet compacted rows and
         // its vector's spare capacity (at most four times the window plus
         // a unit and 64 rows), the scratch a call keeps between calls
         // (2 MiB at most), and the buffer handles.
-        let page = keys.layout(n_kv, hd).unwrap().bytes(1024)
-            + values.layout(n_kv, hd).unwrap().bytes(1024);
+        let page = keys.layout(n_kv, hd).unwrap().bytes(4096)
+            + values.layout(n_kv, hd).unwrap().bytes(4096);
         let tail = 2 * 4 * (res + pc_unit + 64 + sinks) * w * 4;
         let constant = page + tail + (2 << 20) + (64 << 10);
         let mut excess = Vec::new();
@@ -107,9 +107,9 @@ fn a_cache_holds_what_it_reports_plus_a_constant() {
             drop(cache);
         }
         // Eight times the tokens, the same excess but for the page table:
-        // under 512 bytes per page of K or V (56 more pages of each here),
-        // 0.2 % of a page's 295 KB.
-        let more_pages = (65536 - 8192) / 1024;
+        // under 512 bytes per page of K or V (14 more pages of each here),
+        // 0.05 % of a page's 1.2 MB.
+        let more_pages = (65536 - 8192) / 4096;
         assert!(
             excess[1] <= excess[0] + 2 * more_pages * 512,
             "residual {res}: excess {excess:?} grows with the length"

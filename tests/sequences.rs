@@ -808,14 +808,16 @@ fn forks_share_the_prompt() {
         .residual(32)
         .sinks(4);
     let mut prompt = LayerCache::new(cfg).unwrap();
-    let (k, v) = tokens(&mut rng, 4096);
+    let (k, v) = tokens(&mut rng, 9000);
     prompt.extend(&k, &v).unwrap();
     let one = prompt.bytes().total();
     let mut beams: Vec<LayerCache> = (0..8).map(|_| prompt.fork()).collect();
     // Shared: eight forks cost their windows, sinks and the page being
-    // filled (fewer than 1024 packed tokens), not eight prompts.
+    // filled (the 8964 packed tokens past two sealed pages of 4096), not
+    // eight prompts.
     let r = resident_bytes(beams.iter().chain([&prompt])).total();
-    let page = k4.layout(N_KV, HD).unwrap().bytes(1024) + v4.layout(N_KV, HD).unwrap().bytes(1024);
+    let live = 9000 - 4 - 32 - 2 * 4096;
+    let page = k4.layout(N_KV, HD).unwrap().bytes(live) + v4.layout(N_KV, HD).unwrap().bytes(live);
     let window = (32 + 31 + 4) * 2 * W * 4 + page;
     assert!(r <= one + 8 * window, "{r} against {one}");
     for b in &mut beams {
@@ -840,6 +842,9 @@ fn forks_share_the_prompt() {
     let before = prompt.keys_f32();
     beams[0].truncate(1000).unwrap();
     assert_eq!(beams[0].keys_f32(), before[..1000 * W]);
+    // (It copied the surviving part of the shared page it cut into.)
+    let r3 = resident_bytes(beams.iter().chain([&prompt])).total();
+    assert!(r3 <= r2 + beams[0].bytes().total(), "{r3}");
     assert_eq!(prompt.keys_f32(), before);
     // And saves as one contiguous cache.
     let back = LayerCache::load(&saved(&beams[0])[..]).unwrap();

@@ -406,11 +406,11 @@ impl LayerCache {
     /// instead of copying them (beam search, parallel sampling, a prompt
     /// prefix reused by many requests).
     ///
-    /// Packed tokens live in pages of 1024 tokens (rounded up to whole
+    /// Packed tokens live in pages of 4096 tokens (rounded up to whole
     /// per-channel blocks), sealed when full and never written again: both
     /// caches hold the sealed pages (reference-counted) and each appends
     /// into pages of its own. What a fork copies is the page being filled
-    /// (fewer than 1024 tokens), the sinks and the residual window; a
+    /// (fewer than 4096 tokens), the sinks and the residual window; a
     /// `truncate` that cuts into a shared page copies that page's
     /// surviving tokens (copy on write) and leaves the other holders'
     /// page as it is. A fork equals the original byte for byte
@@ -424,7 +424,7 @@ impl LayerCache {
     /// let (keys, values) = presets::kivi(4)?;
     /// let mut prompt = LayerCache::new(CacheConfig::new(2, 64).keys(keys).values(values))?;
     /// let row: Vec<f32> = (0..128).map(|c| (c % 5) as f32 / 5.0).collect();
-    /// for _ in 0..4096 {
+    /// for _ in 0..8192 {
     ///     prompt.append(&row, &row)?;
     /// }
     /// let mut beams: Vec<LayerCache> = (0..4).map(|_| prompt.fork()).collect();
@@ -818,6 +818,12 @@ impl LayerCache {
         self.cfg
             .softmax_scale
             .unwrap_or(1.0 / (self.cfg.head_dim as f32).sqrt())
+    }
+
+    /// The softmax scale attention uses: the configured one, or
+    /// `1/√head_dim`.
+    pub fn softmax_scale(&self) -> f32 {
+        self.scale()
     }
 
     fn check_heads(&self, op: &'static str, n_q_heads: usize) -> Result<usize> {
