@@ -949,3 +949,87 @@ fn a_bad_batch_is_an_error_and_writes_nothing() {
     ));
     assert!(check(&[], &[], N_KV, 0).is_ok());
 }
+
+// ---------------------------------------------------------------------
+// Pages: sealing at 4096 packed tokens, reopening, copy on write.
+
+#[test]
+fn page_boundaries_are_invisible() {
+    // A narrow cache (one head of 8) so that many pages are cheap.
+    let (n_kv, hd) = (1, 8);
+    let w = n_kv * hd;
+    let pt = scheme(4, Axis::PerToken, Group::Size(8));
+    let pc = scheme(3, Axis::PerChannel, Group::Size(96));
+    let base = CacheConfig::new(n_kv, hd);
+    let cfgs = [
+        base.keys(pt).values(pt),
+        // 96-token blocks: pages of 4128 tokens (43 whole blocks).
+        base.keys(pc).values(pt).residual(5).sinks(3),
+    ];
+    let mut rng = Rng::new(40);
+    let attend = |c: &LayerCache, q: &[f32], n_q: usize| {
+        let mut out = vec![0.0; q.len()];
+        c.attend(q, n_q, &mut out).unwrap();
+        out
+    };
+    for cfg in cfgs {
+        let n = 3 * 4128 + 777;
+        let (k, v): (Vec<f32>, Vec<f32>) = (rng.vec(n * w), rng.vec(n * w));
+        let mut c = LayerCache::new(cfg).unwrap();
+        // Token by token across the first seal, then in bulk.
+        for t in 0..4200 {
+            c.append(&k[t * w..(t + 1) * w], &v[t * w..(t + 1) * w])
+                .unwrap();
+        }
+        c.extend(&k[4200 * w..], &v[4200 * w..]).unwrap();
+        let mut bulk = LayerCache::new(cfg).unwrap();
+        bulk.extend(&k, &v).unwrap();
+        assert!(c == bulk);
+        let (kd, vd) = common::placed(&cfg, &k, &v);
+        assert_eq!((c.keys_f32(), c.values_f32()), (kd.clone(), vd.clone()));
+        let q = rng.vec(3 * hd);
+        let want = dense_attention(&q, 3, &kd, &vd, n_kv, hd, c.softmax_scale());
+        let d = max_abs_diff(&attend(&c, &q, 3), &want);
+        assert!(d < 1e-5, "{d}");
+        // Saved as one run, loaded back into pages.
+        let back = LayerCache::load(&saved(&c)[..]).unwrap();
+        assert!(back == c);
+        assert_eq!(attend(&back, &q, 3), attend(&c, &q, 3));
+        // A rejected extend that would have sealed a page leaves the
+        // cache as it was (the page is reopened, not lost).
+        let before = c.clone();
+        let (mut k2, v2) = (rng.vec(5000 * w), rng.vec(5000 * w));
+        k2[4999 * w] = f32::NAN;
+        assert!(c.extend(&k2, &v2).is_err());
+        assert!(c == before);
+        assert_eq!(c.bytes(), before.bytes());
+        // Cuts: inside a sealed page some fork holds (copy on write),
+        // inside one nobody else holds (reopened), on a page boundary,
+        // inside the live page.
+        let fork = c.fork();
+        for cut in [n - 100, 2 * 4128 + 3, 4128 + 3 + 5, 5000, 4200, 17] {
+            let mut t = c.clone();
+            t.truncate(cut).unwrap();
+            assert!(fork == before, "cut {cut}: the fork changed");
+            assert_eq!(t.len(), cut);
+            // Equal to a cache built to `cut` and cut the same way.
+            let mut u = LayerCache::new(cfg).unwrap();
+            u.extend(&k, &v).unwrap();
+            u.truncate(cut).unwrap();
+            assert!(t == u, "cut {cut}");
+            // Goes on like it: append past the next seal.
+            let (k3, v3) = (rng.vec(4300 * w), rng.vec(4300 * w));
+            t.extend(&k3, &v3).unwrap();
+            u.extend(&k3, &v3).unwrap();
+            assert!(t == u, "cut {cut}, then 4300 more");
+            assert_eq!(attend(&t, &q, 3), attend(&u, &q, 3));
+            let back = LayerCache::load(&saved(&t)[..]).unwrap();
+            assert!(back == t);
+        }
+        // The shared pages are counted once; the fork's own bytes are its
+        // live page, window and sinks.
+        let both = resident_bytes([&c, &fork]).total();
+        assert!(both < c.bytes().total() + c.bytes().total() / 2, "{both}");
+        assert!(c == before && fork == before);
+    }
+}
