@@ -87,10 +87,14 @@
 #![deny(missing_docs)]
 
 pub mod cache;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod element;
 pub mod error;
 pub mod kernels;
 pub mod metrics;
+#[cfg(feature = "mistralrs")]
+pub mod mistralrs;
 pub mod pack;
 pub mod plan;
 pub mod quant;

@@ -9,6 +9,8 @@
 //! * [`kvq_store`]: the model's KV store backed by `kvq::KvCache`.
 //! * [`ppl`]: perplexity protocol (512-token windows from an empty cache).
 //! * [`capture`]: per-layer Q/K/V dumps (`KVQCAP01`).
+//! * `engine` (feature `engine`, on by default): a Llama forward pass in
+//!   candle ops with candle's KV cache or kvq's, side by side.
 //! * [`assets`]: locations of the files fetched by `scripts/fetch-assets.sh`.
 //! * [`report`]: aligned tables, CSV/JSON files, the sweep's SVG plot and
 //!   progress bars.
@@ -17,6 +19,8 @@
 
 pub mod assets;
 pub mod capture;
+#[cfg(feature = "engine")]
+pub mod engine;
 pub mod gguf;
 pub mod kvq_store;
 pub mod model;

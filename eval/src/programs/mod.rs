@@ -9,10 +9,14 @@
 //! * [`dump_logits`]: logits for `scripts/crosscheck.py`.
 //! * [`tokenize`]: token ids for `scripts/check_tokenizer.py`.
 //! * [`int8_error`]: the int8 kernels' extra error on synthetic data.
+//! * `engine` (feature `engine`): the candle engine with candle's KV cache
+//!   and with kvq's.
 
 pub mod axes;
 pub mod capture;
 pub mod dump_logits;
+#[cfg(feature = "engine")]
+pub mod engine;
 pub mod int8_error;
 pub mod ppl;
 pub mod sweep;
