@@ -4,6 +4,7 @@
 //! scratch) plus the page table, not a fraction of the length.
 
 use half::f16;
+use kvq::cache::resident_bytes;
 use kvq::{presets, CacheConfig, LayerCache};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -115,4 +116,44 @@ fn a_cache_holds_what_it_reports_plus_a_constant() {
             "residual {res}: excess {excess:?} grows with the length"
         );
     }
+
+    // Shared pages: forks, cuts into shared pages and drops, in any
+    // order, return every byte, and while they live the heap is what
+    // `resident_bytes` counts (each shared page once) plus each cache's
+    // constant.
+    let cfg = CacheConfig::new(n_kv, hd)
+        .keys(keys)
+        .values(values)
+        .residual(16);
+    let tokens = 3 * 4096 + 100;
+    let (k, v) = (rows(tokens, w, 1), rows(tokens, w, 2));
+    let base = LIVE.load(Ordering::Relaxed);
+    let (mut family, heap) = retained(|| {
+        let mut prompt = LayerCache::new(cfg).unwrap();
+        prompt.extend(&k, &v).unwrap();
+        let mut family = vec![prompt];
+        for i in 0..6 {
+            let mut f = family[i / 2].fork();
+            f.truncate(tokens - 1000 * i).unwrap();
+            f.extend(&k[..300 * w], &v[..300 * w]).unwrap();
+            family.push(f);
+        }
+        family
+    });
+    let resident = resident_bytes(&family).total();
+    let per_cache = 2 * (4 * (16 + 64 + 32) * w * 4) + (2 << 20);
+    let n = family.len();
+    assert!(
+        resident <= heap && heap <= resident + n * per_cache,
+        "{heap} {resident}"
+    );
+    // Drop in a scrambled order: the last holder of a page frees it.
+    for i in [3, 0, 4, 1, 2, 1, 0] {
+        family.remove(i % family.len());
+    }
+    assert!(family.is_empty());
+    drop(family);
+    let after = LIVE.load(Ordering::Relaxed);
+    assert_eq!(after, base, "pages leaked");
+    println!("{n} caches: {heap} on the heap, {resident} resident; all freed");
 }
