@@ -24,8 +24,8 @@ pub(super) struct Tensor {
     /// never written again, shared by every fork that holds them.
     pub(super) frozen: Vec<Segment>,
     /// The live packed tokens after the sealed pages (fewer than a page):
-    /// per head codes (and params, or one shared param buffer), each
-    /// reserved to a whole page when it is first written.
+    /// per head codes (and params, or one shared param buffer), grown by
+    /// doubling up to a page.
     pub(super) codes: Vec<Vec<u8>>,
     pub(super) params: Vec<Vec<u8>>,
     /// Per-channel: running min/max of the block being filled.
@@ -49,10 +49,10 @@ pub(super) struct Segment {
 
 /// Packed tokens per page. A page is one kernel call per head when
 /// attending, and each call starts its prefetching cold: at 1024 tokens
-/// that cost 10 % of a GQA-4 decode step at 32k tokens, at 4096 it is
-/// within the noise. The most a buffer holds beyond what
-/// [`LayerCache::bytes`] reports is the live page's spare capacity: less
-/// than its contents, and less than a page, whatever the length.
+/// that cost 12 % of a GQA-4 decode step at 32k tokens, at 4096 it is
+/// within the noise. The most the packed buffers hold beyond what
+/// [`LayerCache::bytes`] reports is the live page's spare capacity, under
+/// a page whatever the length.
 pub(super) const PAGE_TOKENS: usize = 4096;
 
 impl PartialEq for Tensor {
@@ -309,13 +309,17 @@ impl Tensor {
             seg.tokens > 0
         });
         self.packed = packed;
-        if self.frozen.last().is_some_and(|s| s.tokens < self.page) {
+        if let (Some(l), true) = (
+            self.layout(),
+            self.frozen.last().is_some_and(|s| s.tokens < self.page),
+        ) {
             let seg = self.frozen.pop().expect("checked above");
             left = seg.tokens;
+            let (cb, pb) = (l.head_code_bytes(left), self.param_len(&l, left));
             let Frozen { codes, params } =
                 Arc::try_unwrap(seg.data).unwrap_or_else(|shared| Frozen {
-                    codes: shared.codes.clone(),
-                    params: shared.params.clone(),
+                    codes: shared.codes.iter().map(|c| c[..cb].to_vec()).collect(),
+                    params: shared.params.iter().map(|p| p[..pb].to_vec()).collect(),
                 });
             self.codes = codes;
             self.params = params;
