@@ -32,7 +32,8 @@ pub(crate) struct Book<'a> {
 }
 
 impl<'a> Book<'a> {
-    /// The book of `fp8` (if set) or `table`.
+    /// The book of `fp8` (if set) or `table`; a table book has shift and
+    /// factor zero, which the SIMD kernels pass to their fp8 decode as is.
     pub(crate) fn new(table: &'a [f32; 16], fp8: Option<Fp8>) -> Book<'a> {
         Book {
             table,

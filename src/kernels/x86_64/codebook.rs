@@ -204,17 +204,8 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
     );
     let tokens = head.tokens();
     let nq = if sum { out.len() / hd } else { x.len() / hd };
-    let (tbl, fp8) = match book {
-        Book {
-            table, fp8: false, ..
-        } => (s.table16(table), (0, 0.0)),
-        Book {
-            table,
-            shift,
-            factor,
-            ..
-        } => (s.table16(table), (shift, factor)),
-    };
+    // (A table book's shift and factor are zero: `Book::new`.)
+    let (tbl, fp8) = (s.table16(book.table), (book.shift, book.factor));
     let nch = hd / S::L;
     // Scales applied in the decode for groups of whole vectors (a shift
     // finds the group); by the scalar loop below otherwise.

@@ -30,12 +30,7 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
     let mut u8buf = vec![0u8; hdp];
     let mut acc = Buf::new(nq * hdp);
     let codes = head.codes().as_ptr();
-    // The tile's weights of query `i`, zero past its last token.
-    let tile_p = |i: usize, t0: usize, n: usize| {
-        let mut w = [0f32; 16];
-        w[..n].copy_from_slice(&p[i * t_all + t0..i * t_all + t0 + n]);
-        w
-    };
+    let tile_p = |i: usize, t0: usize, n: usize| tile_weights(p, t_all, i, t0, n);
     // 3-bit rows take the fused path only transcoded to bytes, so no
     // 3-bit instance of `fused_sum_pt` is compiled.
     let t3 = if const { HD > 0 && B == 3 } {
@@ -198,6 +193,15 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
     }
 }
 
+/// Tokens `t0..t0 + n` of query `i`'s weights (`p` is `[nq, t_all]`), zero
+/// past the last token: one tile's weights for `splat_tile`.
+#[inline(always)]
+fn tile_weights(p: &[f32], t_all: usize, i: usize, t0: usize, n: usize) -> [f32; 16] {
+    let mut w = [0f32; 16];
+    w[..n].copy_from_slice(&p[i * t_all + t0..i * t_all + t0 + n]);
+    w
+}
+
 /// The weighted sum of per-channel tiles into `acc` (`hdp` floats per
 /// query): `acc_i += Σ_t p[i·t_all + t]·tile_t`.
 struct ChannelSum<'a> {
@@ -213,9 +217,7 @@ impl<S: Simd> TileWork<S> for ChannelSum<'_> {
     #[inline(always)]
     unsafe fn tile(&mut self, s: S, t0: usize, n: usize, scr: *mut f32) {
         for i in 0..self.nq {
-            // The tile's weights of query `i`, zero past its last token.
-            let mut w = [0f32; 16];
-            w[..n].copy_from_slice(&self.p[i * self.t_all + t0..i * self.t_all + t0 + n]);
+            let w = tile_weights(self.p, self.t_all, i, t0, n);
             // SAFETY: `w` holds `T ≤ 16` weights; `acc` `hdp` floats per
             // query `i < nq`; the scratch the caller's.
             unsafe {
