@@ -201,37 +201,19 @@ impl LayerCache {
                 format!("keys are {:?} but values {:?}", k.dtype(), v.dtype()),
             ));
         }
+        let ks = shape_of(op, "keys", k, n_kv, hd)?;
+        if shape_of(op, "values", v, n_kv, hd)? != ks {
+            return Err(Error::InvalidShape {
+                op,
+                what: format!("keys have shape {:?} but values {:?}", k.dims(), v.dims()),
+            });
+        }
         with_rows(op, "keys", k, n_kv, hd, |kr| {
-            with_rows(op, "values", v, n_kv, hd, |vr| {
-                let same = |a: (Order, usize), b: (Order, usize)| {
-                    if a == b {
-                        Ok(())
-                    } else {
-                        Err(Error::InvalidShape {
-                            op,
-                            what: format!(
-                                "keys have shape {:?} but values {:?}",
-                                k.dims(),
-                                v.dims()
-                            ),
-                        })
-                    }
-                };
-                match (kr, vr) {
-                    (RowsOf::F32(a), RowsOf::F32(b)) => {
-                        same((a.order, a.tokens), (b.order, b.tokens))?;
-                        self.extend(&a.data, &b.data)
-                    }
-                    (RowsOf::F16(a), RowsOf::F16(b)) => {
-                        same((a.order, a.tokens), (b.order, b.tokens))?;
-                        self.extend(&a.data, &b.data)
-                    }
-                    (RowsOf::Bf16(a), RowsOf::Bf16(b)) => {
-                        same((a.order, a.tokens), (b.order, b.tokens))?;
-                        self.extend(&a.data, &b.data)
-                    }
-                    _ => unreachable!("the dtypes were compared above"),
-                }
+            with_rows(op, "values", v, n_kv, hd, |vr| match (kr, vr) {
+                (RowsOf::F32(a), RowsOf::F32(b)) => self.extend(&a.data, &b.data),
+                (RowsOf::F16(a), RowsOf::F16(b)) => self.extend(&a.data, &b.data),
+                (RowsOf::Bf16(a), RowsOf::Bf16(b)) => self.extend(&a.data, &b.data),
+                _ => unreachable!("the dtypes were compared above"),
             })
         })
     }

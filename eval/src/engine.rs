@@ -140,11 +140,6 @@ impl CandleLlama {
         })
     }
 
-    /// The model's hyper-parameters.
-    pub fn config(&self) -> &Config {
-        &self.cfg
-    }
-
     /// RoPE tables for positions `0..n` (f64 angles, as the reference
     /// model computes them).
     fn ensure_rope(&mut self, n: usize) -> Result<()> {

@@ -109,11 +109,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
     let cfg = model.cfg.clone();
     let text = std::fs::read_to_string(crate::assets::corpus(&args.corpus))?;
     let need = args.context.max(args.check) + 1;
-    let mut cut = (need * 16).min(text.len());
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    let ids = tok.encode(&text[..cut])?;
+    let ids = super::prefix_tokens(&tok, &text, need)?;
     let ids = crate::ppl::with_bos(&ids, bos).into_owned();
     if ids.len() < need {
         return Err(format!("the corpus gives {} tokens, {need} needed", ids.len()).into());
