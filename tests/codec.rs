@@ -101,17 +101,19 @@ fn rotated_attention_matches_its_dense_shadow_with_gqa_sinks_and_residual() {
             }
             let mut out = vec![0f32; qv.len()];
             cache.attend(&qv, n_kv * r, &mut out).unwrap();
-            // Against what the cache holds (tight) and against the raw input
-            // (8 bits: within the quantization error).
-            let held = dense_attention(
-                &qv,
-                n_kv * r,
-                &cache.keys_f32(),
-                &cache.values_f32(),
-                n_kv,
-                hd,
-                scale,
+            // Against the shadow of the raw rows placed by the configuration
+            // (tight: what the cache must hold, rotated in and back) and
+            // against the raw input (8 bits: within the quantization error).
+            let (pk, pv) = common::placed(&cfg, &k, &v);
+            assert!(
+                max_err(&cache.keys_f32(), &pk) < 1e-4,
+                "{b:?} {residual} {sinks}"
             );
+            assert!(
+                max_err(&cache.values_f32(), &pv) < 1e-4,
+                "{b:?} {residual} {sinks}"
+            );
+            let held = dense_attention(&qv, n_kv * r, &pk, &pv, n_kv, hd, scale);
             assert!(max_err(&out, &held) < 1e-4, "{b:?} {residual} {sinks}");
             let raw = dense_attention(&qv, n_kv * r, &k, &v, n_kv, hd, scale);
             let d: Vec<f32> = out.iter().zip(&raw).map(|(a, b)| a - b).collect();

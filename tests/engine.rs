@@ -107,7 +107,7 @@ fn the_engine_refuses_what_it_does_not_run() {
     let mut wrong = Caches::candle(&m.cfg, DType::F32);
     wrong.layers.pop();
     assert!(e.forward(&[1, 2], 0, &mut wrong).is_err());
-    // A kvq cache rejects a position it does not hold: the engine's error.
+    // A decode step after a prefill is the longer prefill's last row.
     let mut caches = Caches::kvq(&m.cfg, |c| c).unwrap();
     let last = last_row(&e.forward(&[1, 2, 3], 0, &mut caches).unwrap()).unwrap();
     assert_eq!(last.len(), m.cfg.vocab_size);
