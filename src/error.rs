@@ -116,6 +116,18 @@ pub enum Error {
         what: String,
     },
 
+    /// A cache's [`PagePool`](crate::cache::PagePool) has no room for the
+    /// pages a call needs; nothing was changed.
+    #[error("{op}: the page pool is full: the call needs {need} bytes of pages, {free} are free")]
+    PoolExhausted {
+        /// The operation that needed the pages.
+        op: &'static str,
+        /// Bytes of whole pages the call needs.
+        need: usize,
+        /// Bytes the pool's capacity leaves.
+        free: usize,
+    },
+
     /// Bytes from outside (a serialized block or cache) are malformed.
     #[error("{op}: malformed bytes: {what}")]
     Malformed {

@@ -179,6 +179,25 @@ impl CacheConfig {
     pub fn sink_len(&self) -> usize {
         self.sinks
     }
+
+    /// Bytes of one page of `page_tokens` tokens of keys plus one of
+    /// values, as a [`PagePool`] with that page size allocates them for a
+    /// cache of this configuration (each rounded up to whole quantized
+    /// units; full-precision tensors take no pages). What to multiply by
+    /// the pages a pool should hold.
+    ///
+    /// # Errors
+    /// As [`LayerCache::new`] for a configuration it rejects.
+    pub fn page_bytes(&self, page_tokens: usize) -> Result<usize> {
+        check_shape("CacheConfig::page_bytes", self.n_kv_heads, self.head_dim)?;
+        let mut total = 0usize;
+        for c in [self.keys, self.values].into_iter().flatten() {
+            let l = c.scheme().layout(self.n_kv_heads, self.head_dim)?;
+            let unit = l.block_tokens();
+            total = total.saturating_add(l.bytes(page_tokens.div_ceil(unit).saturating_mul(unit)));
+        }
+        Ok(total)
+    }
 }
 
 /// Bytes a cache holds, by kind.

@@ -71,6 +71,7 @@ use std::sync::Arc;
 mod attention;
 mod config;
 mod model;
+mod page;
 mod persist;
 mod rope;
 mod tensor;
@@ -79,6 +80,8 @@ pub use attention::dense_attention;
 use attention::*;
 pub use config::*;
 pub use model::*;
+use page::*;
+pub use page::{PagePool, PoolStats, MAX_PAGE_TOKENS};
 use rope::RopeTable;
 pub use rope::{Rope, RopeScaling, RopeStyle};
 use tensor::*;
@@ -109,7 +112,7 @@ struct Scratch {
 }
 
 /// Bytes `caches` hold together: each cache's own rows and packed
-/// buffers, and every sealed page that forks share
+/// buffers, and every page that forks share
 /// ([`LayerCache::fork`]) once.
 pub fn resident_bytes<'a>(caches: impl IntoIterator<Item = &'a LayerCache>) -> CacheBytes {
     let mut seen = std::collections::HashSet::new();
@@ -331,6 +334,19 @@ impl LayerCache {
     /// positive multiple of 8, and [`Error::SchemeShape`] when a scheme does
     /// not fit `head_dim` (see [`QuantScheme::layout`]).
     pub fn new(cfg: CacheConfig) -> Result<Self> {
+        Self::build(cfg, None)
+    }
+
+    /// An empty cache whose packed tokens live in pages of `pool` (see
+    /// [`PagePool`]): a sequence of a serving engine.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn new_in(cfg: CacheConfig, pool: &PagePool) -> Result<Self> {
+        Self::build(cfg, Some(pool.handle()))
+    }
+
+    fn build(cfg: CacheConfig, pool: Option<Arc<PoolInner>>) -> Result<Self> {
         check_shape("LayerCache::new", cfg.n_kv_heads, cfg.head_dim)?;
         if let Some(s) = cfg.softmax_scale.filter(|s| !s.is_finite()) {
             return Err(Error::InvalidConfig {
@@ -364,8 +380,22 @@ impl LayerCache {
         Ok(LayerCache {
             cfg,
             len: 0,
-            k: Tensor::new(lk, cfg.n_kv_heads, cfg.head_dim, cfg.sinks, cfg.residual),
-            v: Tensor::new(lv, cfg.n_kv_heads, cfg.head_dim, cfg.sinks, cfg.residual),
+            k: Tensor::new(
+                lk,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                cfg.sinks,
+                cfg.residual,
+                pool.clone(),
+            ),
+            v: Tensor::new(
+                lv,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                cfg.sinks,
+                cfg.residual,
+                pool,
+            ),
             rope: cfg.rope.map(RopeTable::new),
             scratch: Scratch::default(),
             backend: cfg.backend.unwrap_or_else(Backend::detect),
@@ -394,8 +424,9 @@ impl LayerCache {
         self.backend
     }
 
-    /// Forget every token, keeping allocations (e.g. between evaluation
-    /// windows).
+    /// Forget every token (e.g. between evaluation windows), keeping the
+    /// full-precision buffers' allocations; pages are let go (back to the
+    /// pool, for a cache in one).
     pub fn clear(&mut self) {
         self.len = 0;
         self.k.clear();
@@ -406,16 +437,18 @@ impl LayerCache {
     /// instead of copying them (beam search, parallel sampling, a prompt
     /// prefix reused by many requests).
     ///
-    /// Packed tokens live in pages of 4096 tokens (rounded up to whole
-    /// per-channel blocks), sealed when full and never written again: both
-    /// caches hold the sealed pages (reference-counted) and each appends
-    /// into pages of its own. What a fork copies is the page being filled
-    /// (fewer than 4096 tokens), the sinks and the residual window; a
-    /// `truncate` that cuts into a shared page copies that page's
-    /// surviving tokens (copy on write) and leaves the other holders'
-    /// page as it is. A fork equals the original byte for byte
-    /// ([`PartialEq`], [`save`](Self::save)) and goes on exactly as the
-    /// original would; [`resident_bytes`] counts shared pages once.
+    /// Packed tokens live in reference-counted pages (4096 tokens outside
+    /// a [`PagePool`], the pool's size inside one; rounded up to whole
+    /// per-channel blocks), and a page is written only while one cache
+    /// holds it. A fork holds every page of the original, the one being
+    /// filled included, and copies only the sinks and the residual window
+    /// (full precision, bounded by the configuration): forking a long
+    /// prompt copies no packed byte. The first append into a shared page
+    /// copies that page (copy on write), once per holder that writes; a
+    /// `truncate` into a shared page shrinks only this cache's share of
+    /// it. A fork equals the original byte for byte ([`PartialEq`],
+    /// [`save`](Self::save)) and goes on exactly as the original would;
+    /// [`resident_bytes`] and [`PoolStats`] count shared pages once.
     /// `fork` is `clone`: the sharing is the storage's, not the call's.
     ///
     /// # Example
@@ -695,6 +728,13 @@ impl LayerCache {
         // input is checked again in order for the error to report.
         let n = k.len() / w;
         let chunk = (EXTEND_CHUNK_FLOATS / w).max(8);
+        // Every page the call takes, set aside before anything changes.
+        let (pk_, pv_) = (self.k.packs(n, self.len), self.v.packs(n, self.len));
+        let need = (self.k.pages_for(pk_).checked_mul(self.k.page_bytes()))
+            .zip(self.v.pages_for(pv_).checked_mul(self.v.page_bytes()))
+            .and_then(|(a, b)| a.checked_add(b))
+            .unwrap_or(usize::MAX);
+        let mut ticket = reserve(op, self.k.pool.as_ref(), need)?;
         let marks = (self.k.mark(), self.v.mark(), self.len);
         let [mut pk, mut pv] = std::mem::take(&mut s.pend);
         pk.copy_from(&self.k.pend);
@@ -719,8 +759,10 @@ impl LayerCache {
             if !ok {
                 break;
             }
-            self.k.push_rows(kc, self.len, self.backend, &mut q);
-            self.v.push_rows(vc, self.len, self.backend, &mut q);
+            self.k
+                .push_rows(kc, self.len, self.backend, &mut q, &mut ticket);
+            self.v
+                .push_rows(vc, self.len, self.backend, &mut q, &mut ticket);
             self.len += e - t;
             self.k.compact_since(&marks.0);
             self.v.compact_since(&marks.1);

@@ -426,10 +426,10 @@ impl Tensor {
         };
         o.put(bytemuck::bytes_of(&h))?;
         o.put_f32(&self.sink)?;
-        for h in 0..self.codes.len() {
+        for h in 0..self.n_codes {
             o.put(&self.head_codes(h))?;
         }
-        for i in 0..self.params.len() {
+        for i in 0..self.n_params {
             o.put(&self.param_buf(i))?;
         }
         o.put_f32(self.tail_slice())
@@ -480,17 +480,21 @@ impl Tensor {
         let content = |e: Error| bad(format!("{what}: {e}"));
         check_finite(op, &self.sink, n_kv, hd, 0).map_err(content)?;
         if let Some(l) = self.layout() {
-            let np = self.params.len();
-            for c in &mut self.codes {
-                *c = i.take(l.head_code_bytes(packed), "codes")?;
+            let np = self.n_params;
+            let codes = (0..self.n_codes)
+                .map(|_| i.take(l.head_code_bytes(packed), "codes"))
+                .collect::<Result<Vec<_>>>()?;
+            let mut params = Vec::with_capacity(np);
+            for _ in 0..np {
+                let p = i.take(l.param_bytes(packed) / np, "params")?;
+                validate_params(op, &l, &p)?;
+                params.push(p);
             }
-            for p in &mut self.params {
-                *p = i.take(l.param_bytes(packed) / np, "params")?;
-                validate_params(op, &l, p)?;
-            }
+            let pages = packed.div_ceil(self.page);
+            let need = pages.saturating_mul(self.page_bytes());
+            let mut ticket = reserve(op, self.pool.as_ref(), need)?;
+            self.set_packed(&codes, &params, packed, &mut ticket);
         }
-        self.packed = packed;
-        self.repage();
         let tail_len = rows(tail_rows)?;
         let tail = i.take_f32(tail_len, "full-precision rows")?;
         check_finite(op, &tail, n_kv, hd, sink_rows + packed).map_err(content)?;
@@ -505,13 +509,10 @@ impl Tensor {
 }
 
 impl LayerCache {
-    /// Bytes an empty cache of this configuration allocates: per-head
-    /// buffer handles and per-channel running ranges.
+    /// Bytes an empty cache of this configuration allocates: the
+    /// per-channel running ranges.
     fn config_alloc(&self) -> usize {
-        let per_tensor = |t: &Tensor| {
-            (t.codes.len() + t.params.len()) * std::mem::size_of::<Vec<u8>>()
-                + (t.pend.min.len() + t.pend.max.len()) * 4
-        };
+        let per_tensor = |t: &Tensor| (t.pend.min.len() + t.pend.max.len()) * 4;
         per_tensor(&self.k) + per_tensor(&self.v)
     }
 
@@ -614,7 +615,26 @@ impl LayerCache {
             op: "LayerCache::load",
         };
         read_stream_header(&mut i, KIND_LAYER)?;
-        let l = Self::load_layer(&mut i, backend, threads)?;
+        let l = Self::load_layer(&mut i, backend, threads, None)?;
+        i.finish()?;
+        Ok(l)
+    }
+
+    /// [`load`](Self::load) into pages of `pool` (a sequence restored into
+    /// a serving engine's pool), on the detected backend with all
+    /// available threads.
+    ///
+    /// # Errors
+    /// As [`load`](Self::load); [`Error::PoolExhausted`] when the pool has
+    /// no room for the cache's pages (nothing is taken from it then).
+    pub fn load_in(r: impl Read, pool: &PagePool) -> Result<Self> {
+        let mut i = In {
+            r,
+            sum: Checksum::new(),
+            op: "LayerCache::load_in",
+        };
+        read_stream_header(&mut i, KIND_LAYER)?;
+        let l = Self::load_layer(&mut i, None, 0, Some(pool))?;
         i.finish()?;
         Ok(l)
     }
@@ -623,6 +643,7 @@ impl LayerCache {
         i: &mut In<R>,
         backend: Option<Backend>,
         threads: usize,
+        pool: Option<&PagePool>,
     ) -> Result<Self> {
         let h: LayerHeader = i.pod("a layer header")?;
         let mut cfg = layer_config(&h).map_err(|e| i.bad(e))?;
@@ -635,7 +656,8 @@ impl LayerCache {
             None => cfg,
         }
         .threads(threads);
-        let mut c = LayerCache::new(cfg).map_err(|e| i.bad(format!("configuration: {e}")))?;
+        let mut c = LayerCache::build(cfg, pool.map(PagePool::handle))
+            .map_err(|e| i.bad(format!("configuration: {e}")))?;
         let len = u64::from_le(h.len);
         let len = u32::try_from(len)
             .map_err(|_| i.bad(format!("{len} tokens: a cache holds at most 2^32 − 1")))?
@@ -782,7 +804,7 @@ impl KvCache {
         let mut layers = Vec::new();
         let mut claimed = 0usize;
         for _ in 0..n {
-            let l = LayerCache::load_layer(&mut i, backend, threads)?;
+            let l = LayerCache::load_layer(&mut i, backend, threads, None)?;
             claimed += l.config_alloc();
             let backed = ALLOC_PER_BYTE
                 .saturating_mul(i.sum.total as usize)

@@ -15,45 +15,21 @@ pub(super) struct Tensor {
     /// Full-precision tail rows; live rows start at `tail_start`.
     pub(super) tail: Vec<f32>,
     pub(super) tail_start: usize,
-    /// Packed tokens: those of the sealed pages, then the live ones.
+    /// Packed tokens, in `pages`.
     pub(super) packed: usize,
-    /// Packed tokens per page: [`PAGE_TOKENS`] rounded up to whole
-    /// quantized units.
+    /// Packed tokens per page: the pool's page size (or [`PAGE_TOKENS`])
+    /// rounded up to whole quantized units.
     pub(super) page: usize,
-    /// Full pages of packed tokens, oldest first: sealed once full,
-    /// never written again, shared by every fork that holds them.
-    pub(super) frozen: Vec<Segment>,
-    /// The live packed tokens after the sealed pages (fewer than a page):
-    /// per head codes (and params, or one shared param buffer), grown by
-    /// doubling up to a page.
-    pub(super) codes: Vec<Vec<u8>>,
-    pub(super) params: Vec<Vec<u8>>,
+    /// The pages of packed tokens, oldest first; all but the last full.
+    pub(super) pages: Vec<Segment>,
+    /// Code buffers (one per head) and param buffers per page.
+    pub(super) n_codes: usize,
+    pub(super) n_params: usize,
+    /// Where pages come from (`None`: the allocator).
+    pub(super) pool: Option<Arc<PoolInner>>,
     /// Per-channel: running min/max of the block being filled.
     pub(super) pend: Pending,
 }
-
-/// A sealed page's buffers (the live buffers' shape).
-#[derive(Debug)]
-pub(super) struct Frozen {
-    codes: Vec<Vec<u8>>,
-    params: Vec<Vec<u8>>,
-}
-
-/// One sealed page: always whole (a truncate that cuts into one takes
-/// its survivors back into the live buffers).
-#[derive(Debug, Clone)]
-pub(super) struct Segment {
-    data: Arc<Frozen>,
-    tokens: usize,
-}
-
-/// Packed tokens per page. A page is one kernel call per head when
-/// attending, and each call starts its prefetching cold: at 1024 tokens
-/// that cost 12 % of a GQA-4 decode step at 32k tokens, at 4096 it is
-/// within the noise. The most the packed buffers hold beyond what
-/// [`LayerCache::bytes`] reports is the live page's spare capacity, under
-/// a page whatever the length.
-pub(super) const PAGE_TOKENS: usize = 4096;
 
 impl PartialEq for Tensor {
     /// Equal when every stored number agrees (ignoring spare capacity and
@@ -63,8 +39,8 @@ impl PartialEq for Tensor {
             && self.sink == o.sink
             && self.tail_slice() == o.tail_slice()
             && self.packed == o.packed
-            && (0..self.codes.len()).all(|h| self.head_codes(h) == o.head_codes(h))
-            && (0..self.params.len()).all(|i| self.param_buf(i) == o.param_buf(i))
+            && (0..self.n_codes).all(|h| self.head_codes(h) == o.head_codes(h))
+            && (0..self.n_params).all(|i| self.param_buf(i) == o.param_buf(i))
             && (!self.pending_live() || self.pend == o.pend)
     }
 }
@@ -76,6 +52,7 @@ impl Tensor {
         hd: usize,
         sinks: usize,
         residual: usize,
+        pool: Option<Arc<PoolInner>>,
     ) -> Self {
         let layout = codec.as_ref().map(|c| *c.layout());
         let np = match layout {
@@ -93,10 +70,11 @@ impl Tensor {
             tail: Vec::new(),
             tail_start: 0,
             packed: 0,
-            page: PAGE_TOKENS.div_ceil(unit).saturating_mul(unit),
-            frozen: Vec::new(),
-            codes: vec![Vec::new(); n_kv],
-            params: vec![Vec::new(); np],
+            page: page_tokens(pool.as_ref(), unit),
+            pages: Vec::new(),
+            n_codes: n_kv,
+            n_params: np,
+            pool,
             pend: Pending::new(if pc { n_kv * hd } else { 0 }),
         }
     }
@@ -207,6 +185,7 @@ impl Tensor {
         pos0: usize,
         backend: Backend,
         scratch: &mut Scratch,
+        ticket: &mut Ticket,
     ) {
         let w = self.width;
         let n_sink = self.sinks.saturating_sub(pos0).min(rows.len() / w);
@@ -227,18 +206,24 @@ impl Tensor {
         let need = (mixed * unit).saturating_sub(live);
         self.tail.extend_from_slice(&rows[..need * w]);
         for _ in 0..mixed {
-            self.flush(unit, backend, scratch);
+            self.flush(unit, backend, scratch, ticket);
         }
         let mut i = need;
         for _ in mixed..units {
-            self.store_unit(&rows[i * w..(i + unit) * w], unit, backend, scratch);
+            self.store_unit(&rows[i * w..(i + unit) * w], unit, backend, scratch, ticket);
             i += unit;
         }
         self.tail.extend_from_slice(&rows[i * w..]);
     }
 
     /// Quantize the oldest `unit` tail rows.
-    pub(super) fn flush(&mut self, unit: usize, backend: Backend, scratch: &mut Scratch) {
+    pub(super) fn flush(
+        &mut self,
+        unit: usize,
+        backend: Backend,
+        scratch: &mut Scratch,
+        ticket: &mut Ticket,
+    ) {
         let w = self.width;
         let tail = std::mem::take(&mut self.tail);
         self.store_unit(
@@ -246,6 +231,7 @@ impl Tensor {
             unit,
             backend,
             scratch,
+            ticket,
         );
         self.tail = tail;
         self.tail_start += unit;
@@ -298,67 +284,101 @@ impl Tensor {
     }
 
     /// Keep the first `packed` packed tokens (a multiple of the unit).
-    /// Pages past the cut are released; a page the cut lands in becomes
-    /// the live page again: moved back when no fork holds it, its
-    /// surviving bytes copied when one does (copy on write).
+    /// Pages past the cut are let go; a page the cut lands in is cut in
+    /// place when no fork holds it, and otherwise only this tensor's share
+    /// of it shrinks (the copy waits for the next write).
     fn drop_packed(&mut self, packed: usize) {
         let mut left = packed;
-        self.frozen.retain_mut(|seg| {
+        self.pages.retain_mut(|seg| {
             seg.tokens = seg.tokens.min(left);
             left -= seg.tokens;
             seg.tokens > 0
         });
         self.packed = packed;
-        if let (Some(l), true) = (
-            self.layout(),
-            self.frozen.last().is_some_and(|s| s.tokens < self.page),
-        ) {
-            let seg = self.frozen.pop().expect("checked above");
-            left = seg.tokens;
-            let (cb, pb) = (l.head_code_bytes(left), self.param_len(&l, left));
-            let Frozen { codes, params } =
-                Arc::try_unwrap(seg.data).unwrap_or_else(|shared| Frozen {
-                    codes: shared.codes.iter().map(|c| c[..cb].to_vec()).collect(),
-                    params: shared.params.iter().map(|p| p[..pb].to_vec()).collect(),
-                });
-            self.codes = codes;
-            self.params = params;
-        }
-        if let Some(l) = self.layout() {
-            let params = l.param_bytes(left) / self.params.len();
-            for c in &mut self.codes {
-                c.truncate(l.head_code_bytes(left));
-            }
-            for p in &mut self.params {
-                p.truncate(params);
+        if let (Some(l), Some(seg)) = (self.layout(), self.pages.last_mut()) {
+            let (cb, pb) = (
+                l.head_code_bytes(seg.tokens),
+                l.param_bytes(seg.tokens) / self.n_params,
+            );
+            if let Some(p) = Arc::get_mut(&mut seg.data) {
+                p.truncate(cb, pb);
             }
         }
     }
 
-    /// Packed tokens in sealed pages.
-    pub(super) fn frozen_tokens(&self) -> usize {
-        debug_assert!(self.frozen.last().is_none_or(|s| s.tokens == self.page));
-        self.frozen.len() * self.page
+    /// Pages a store of `added` more packed tokens takes: a copy of a
+    /// shared last page it writes into, and the new pages after it.
+    pub(super) fn pages_for(&self, added: usize) -> usize {
+        if added == 0 {
+            return 0;
+        }
+        match self.pages.last() {
+            Some(s) if s.tokens < self.page => {
+                let copy = Arc::strong_count(&s.data) > 1;
+                usize::from(copy) + (s.tokens + added).div_ceil(self.page) - 1
+            }
+            _ => added.div_ceil(self.page),
+        }
     }
 
-    /// Seal the live buffers, a whole page, as a shared page.
-    fn seal_page(&mut self) {
-        let (nc, np) = (self.codes.len(), self.params.len());
-        let data = Frozen {
-            codes: std::mem::replace(&mut self.codes, vec![Vec::new(); nc]),
-            params: std::mem::replace(&mut self.params, vec![Vec::new(); np]),
-        };
-        self.frozen.push(Segment {
-            data: Arc::new(data),
-            tokens: self.page,
-        });
+    /// Packed tokens an append of `n` rows at position `pos0` stores (what
+    /// [`push_rows`](Self::push_rows) quantizes).
+    pub(super) fn packs(&self, n: usize, pos0: usize) -> usize {
+        let m = n - self.sinks.saturating_sub(pos0).min(n);
+        let unit = self.unit();
+        if m == 0 || unit == usize::MAX {
+            return 0;
+        }
+        (self.tail_rows() + m).saturating_sub(self.residual) / unit * unit
     }
 
-    /// Give each live buffer room for one more unit: doubling, as a
-    /// `Vec` grows, but never past a whole page, so a short cache holds
-    /// at most twice its bytes and a long one at most a page more.
-    fn reserve_unit(&mut self, l: &Layout, unit: usize) {
-        let live = self.packed - self.frozen_tokens();
+    /// Bytes of one whole page.
+    pub(super) fn page_bytes(&self) -> usize {
+        self.layout().map_or(0, |l| l.bytes(self.page))
+    }
+
+    /// The page the next unit goes into, writable: the last page when it
+    /// has room (copied first if a fork shares it), else a new one.
+    fn writable_page(&mut self, l: &Layout, ticket: &mut Ticket) -> &mut Segment {
+        let (cb, pb) = (l.head_code_bytes(self.page), self.param_len(l, self.page));
+        let sizes = ((self.n_codes, cb), (self.n_params, pb));
+        let room = self.pages.last().is_some_and(|s| s.tokens < self.page);
+        if !room {
+            let data = Arc::new(new_page(ticket, sizes.0, sizes.1));
+            self.pages.push(Segment { data, tokens: 0 });
+        }
+        let n_params = self.n_params;
+        let seg = self.pages.last_mut().expect("a page was just ensured");
+        let (tc, tp) = (
+            l.head_code_bytes(seg.tokens),
+            l.param_bytes(seg.tokens) / n_params,
+        );
+        match Arc::get_mut(&mut seg.data) {
+            // Bytes past this tensor's share are from before a truncate.
+            Some(p) => p.truncate(tc, tp),
+            None => {
+                let mut p = new_page(ticket, sizes.0, sizes.1);
+                for (d, s) in p.codes.iter_mut().zip(&seg.data.codes) {
+                    d.extend_from_slice(&s[..tc]);
+                }
+                for (d, s) in p.params.iter_mut().zip(&seg.data.params) {
+                    d.extend_from_slice(&s[..tp]);
+                }
+                p.sync();
+                seg.data = Arc::new(p);
+            }
+        }
+        seg
+    }
+
+    /// Give each buffer of an allocator page room for one more unit:
+    /// doubling, as a `Vec` grows, but never past a whole page, so a
+    /// short cache holds at most twice its bytes and a long one at most a
+    /// page more. (A pool's pages are whole from the start.)
+    fn reserve_unit(p: &mut Page, l: &Layout, unit: usize, live: usize, page: usize, np: usize) {
+        if p.pooled() {
+            return;
+        }
         let grow = |v: &mut Vec<u8>, now: usize, page: usize| {
             if v.capacity() < v.len() + now {
                 let cap = (2 * v.capacity())
@@ -367,82 +387,70 @@ impl Tensor {
                 v.reserve_exact(cap - v.len());
             }
         };
+        let pl = |t: usize| l.param_bytes(t) / np;
         let cb = l.head_code_bytes(live + unit) - l.head_code_bytes(live);
-        let pb = self.param_len(l, live + unit) - self.param_len(l, live);
-        let (cp, pp) = (l.head_code_bytes(self.page), self.param_len(l, self.page));
-        for v in &mut self.codes {
+        let pb = pl(live + unit) - pl(live);
+        let (cp, pp) = (l.head_code_bytes(page), pl(page));
+        for v in &mut p.codes {
             grow(v, cb, cp);
         }
-        for v in &mut self.params {
+        for v in &mut p.params {
             grow(v, pb, pp);
         }
     }
 
-    /// Split live buffers holding more than a page (as a load reads
-    /// them) into sealed pages and a live remainder.
-    pub(super) fn repage(&mut self) {
+    /// Set the packed tokens to `packed`, whose codes per head and param
+    /// buffers are given whole (as a load reads them), split into pages.
+    pub(super) fn set_packed(
+        &mut self,
+        codes: &[Vec<u8>],
+        params: &[Vec<u8>],
+        packed: usize,
+        ticket: &mut Ticket,
+    ) {
+        self.pages.clear();
+        self.packed = packed;
         let Some(l) = self.layout() else { return };
-        let live = self.packed - self.frozen_tokens();
-        if live < self.page {
-            return;
-        }
         let (cb, pb) = (l.head_code_bytes(self.page), self.param_len(&l, self.page));
-        let pages = live / self.page;
-        let mut sealed: Vec<Frozen> = (0..pages)
-            .map(|_| Frozen {
-                codes: Vec::with_capacity(self.codes.len()),
-                params: Vec::with_capacity(self.params.len()),
-            })
-            .collect();
-        let split = |v: &mut Vec<u8>, size: usize, k: usize| v[k * size..(k + 1) * size].to_vec();
-        for v in &mut self.codes {
-            for (k, f) in sealed.iter_mut().enumerate() {
-                f.codes.push(split(v, cb, k));
+        let mut t0 = 0;
+        while t0 < packed {
+            let t = self.page.min(packed - t0);
+            let mut p = new_page(ticket, (self.n_codes, cb), (self.n_params, pb));
+            let (c0, c1) = (l.head_code_bytes(t0), l.head_code_bytes(t0 + t));
+            let (p0, p1) = (self.param_len(&l, t0), self.param_len(&l, t0 + t));
+            for (d, s) in p.codes.iter_mut().zip(codes) {
+                d.extend_from_slice(&s[c0..c1]);
             }
-            *v = v[pages * cb..].to_vec();
-        }
-        for v in &mut self.params {
-            for (k, f) in sealed.iter_mut().enumerate() {
-                f.params.push(split(v, pb, k));
+            for (d, s) in p.params.iter_mut().zip(params) {
+                d.extend_from_slice(&s[p0..p1]);
             }
-            *v = v[pages * pb..].to_vec();
+            p.sync();
+            self.pages.push(Segment {
+                data: Arc::new(p),
+                tokens: t,
+            });
+            t0 += t;
         }
-        let page = self.page;
-        self.frozen.extend(sealed.into_iter().map(|f| Segment {
-            data: Arc::new(f),
-            tokens: page,
-        }));
     }
 
     /// Bytes of param buffer `i` for `t` tokens.
     fn param_len(&self, l: &Layout, t: usize) -> usize {
-        l.param_bytes(t) / self.params.len()
+        l.param_bytes(t) / self.n_params
     }
 
-    /// Head `h`'s packed tokens as views, each with its first packed
-    /// position: one per sealed page, then the live tokens.
+    /// Head `h`'s packed tokens as views, one per page, each with its
+    /// first packed position.
     pub(super) fn views(&self, h: usize) -> Vec<(usize, PackedHead<'_>)> {
         let Some(l) = self.layout() else {
             return Vec::new();
         };
         let pi = if l.shared_params() { 0 } else { h };
-        let live = self.packed - self.frozen_tokens();
-        let parts = self
-            .frozen
-            .iter()
-            .map(|seg| {
-                let t = seg.tokens;
-                let (c, p) = (&seg.data.codes[h], &seg.data.params[pi]);
-                (t, &c[..l.head_code_bytes(t)], &p[..self.param_len(&l, t)])
-            })
-            .chain(std::iter::once((
-                live,
-                &self.codes[h][..],
-                &self.params[pi][..],
-            )));
-        let mut out = Vec::with_capacity(self.frozen.len() + 1);
+        let mut out = Vec::with_capacity(self.pages.len());
         let mut start = 0;
-        for (t, codes, params) in parts.filter(|p| p.0 > 0) {
+        for seg in &self.pages {
+            let t = seg.tokens;
+            let codes = &seg.data.codes[h][..l.head_code_bytes(t)];
+            let params = &seg.data.params[pi][..self.param_len(&l, t)];
             let v = PackedHead::new(l, t, codes, params).expect("cache keeps consistent buffers");
             out.push((start, v));
             start += t;
@@ -456,10 +464,9 @@ impl Tensor {
             return Vec::new();
         };
         let mut out = Vec::with_capacity(l.head_code_bytes(self.packed));
-        for seg in &self.frozen {
+        for seg in &self.pages {
             out.extend_from_slice(&seg.data.codes[h][..l.head_code_bytes(seg.tokens)]);
         }
-        out.extend_from_slice(&self.codes[h]);
         out
     }
 
@@ -469,27 +476,26 @@ impl Tensor {
             return Vec::new();
         };
         let mut out = Vec::with_capacity(self.param_len(&l, self.packed));
-        for seg in &self.frozen {
+        for seg in &self.pages {
             out.extend_from_slice(&seg.data.params[i][..self.param_len(&l, seg.tokens)]);
         }
-        out.extend_from_slice(&self.params[i]);
         out
     }
 
-    /// Bytes this tensor holds alone: sink and residual rows, live packed
-    /// codes and params (sealed pages are in [`segments`](Self::segments)).
+    /// Bytes this tensor holds alone: its sink and residual rows (pages
+    /// are in [`segments`](Self::segments)).
     pub(super) fn own_bytes(&self) -> CacheBytes {
         CacheBytes {
-            codes: self.codes.iter().map(Vec::len).sum(),
-            params: self.params.iter().map(Vec::len).sum(),
+            codes: 0,
+            params: 0,
             full_precision: (self.sink.len() + self.tail_rows() * self.width) * 4,
         }
     }
 
-    /// Each sealed page's buffers (an identity for counting a shared
-    /// one once) and the codes and param bytes they hold, whole.
-    pub(super) fn segments(&self) -> impl Iterator<Item = (*const Frozen, CacheBytes)> + '_ {
-        self.frozen.iter().map(|seg| {
+    /// Each page's buffers (an identity for counting a shared one once)
+    /// and the codes and param bytes written into them.
+    pub(super) fn segments(&self) -> impl Iterator<Item = (*const Page, CacheBytes)> + '_ {
+        self.pages.iter().map(|seg| {
             let d = &seg.data;
             let bytes = CacheBytes {
                 codes: d.codes.iter().map(Vec::len).sum(),
@@ -558,14 +564,18 @@ impl Tensor {
         unit: usize,
         backend: Backend,
         scratch: &mut Scratch,
+        ticket: &mut Ticket,
     ) {
         let Some(l) = self.layout() else {
             unreachable!("only a tensor with a codec quantizes");
         };
-        self.reserve_unit(&l, unit);
-        let c = self.codec.as_ref().expect("a layout comes from a codec");
-        let rb = l.row_bytes();
         let token = self.sinks + self.packed;
+        let (page, np) = (self.page, self.n_params);
+        let c = self.codec.clone().expect("a layout comes from a codec");
+        let seg = self.writable_page(&l, ticket);
+        let p = Arc::get_mut(&mut seg.data).expect("a writable page is not shared");
+        Self::reserve_unit(p, &l, unit, seg.tokens, page, np);
+        let rb = l.row_bytes();
         match l.scheme().axis() {
             Axis::PerToken => {
                 scratch.codes.resize(l.n_kv_heads() * rb, 0);
@@ -578,12 +588,12 @@ impl Tensor {
                     &mut scratch.params,
                 )
                 .expect("scales were checked when the token was appended");
-                for (h, c) in self.codes.iter_mut().enumerate() {
+                for (h, c) in p.codes.iter_mut().enumerate() {
                     c.extend_from_slice(&scratch.codes[h * rb..(h + 1) * rb]);
                 }
-                let per = scratch.params.len() / self.params.len();
-                for (h, p) in self.params.iter_mut().enumerate() {
-                    p.extend_from_slice(&scratch.params[h * per..(h + 1) * per]);
+                let per = scratch.params.len() / np;
+                for (h, b) in p.params.iter_mut().enumerate() {
+                    b.extend_from_slice(&scratch.params[h * per..(h + 1) * per]);
                 }
             }
             Axis::PerChannel => {
@@ -600,15 +610,14 @@ impl Tensor {
                         &mut scratch.params,
                     )
                     .expect("scales were checked when the tokens were appended");
-                    self.codes[h].extend_from_slice(&scratch.codes);
-                    self.params[h].extend_from_slice(&scratch.params);
+                    p.codes[h].extend_from_slice(&scratch.codes);
+                    p.params[h].extend_from_slice(&scratch.params);
                 }
             }
         }
+        p.sync();
+        seg.tokens += unit;
         self.packed += unit;
-        if self.packed - self.frozen_tokens() == self.page {
-            self.seal_page();
-        }
     }
 
     /// Tokens quantized at a time, 1 when full precision.
@@ -671,9 +680,7 @@ impl Tensor {
         self.tail.clear();
         self.tail_start = 0;
         self.packed = 0;
-        self.frozen.clear();
-        self.codes.iter_mut().for_each(Vec::clear);
-        self.params.iter_mut().for_each(Vec::clear);
+        self.pages.clear();
     }
 
     /// Everything as f32 rows `[len, width]`: what attention sees, mapped
