@@ -1,5 +1,6 @@
-//! Cache throughput: quantize/append (f32 input bytes per second), and the
-//! cost of an append at 1k and 1M tokens (amortized O(1)).
+//! Cache throughput: quantize/append (f32 input bytes per second), the
+//! cost of an append at 1k and 1M tokens (amortized O(1)), and of a fork
+//! of a long prompt and the fork's first append (`fork/…`).
 //!
 //! `cargo bench --bench cache`. The decode-attention benches, with the dense
 //! f32/f16 baselines and the DRAM-read roofline, are in `benches/kernels.rs`.
@@ -118,5 +119,53 @@ fn append_at_length(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, append, append_at_length);
+/// `fork`: a fork of a prompt of 4k and 32k tokens (8 KV heads of 128,
+/// KIVI-4, residual 128, 4 sinks), and the fork plus its first append,
+/// which copies the page it writes into; outside a pool and in a pool of
+/// 256-token pages.
+fn fork(c: &mut Criterion) {
+    let (n_kv, hd) = (8, 128);
+    let w = n_kv * hd;
+    let mut g = c.benchmark_group("fork");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(300));
+    let (ks, vs) = presets::kivi(4).unwrap();
+    let cfg = CacheConfig::new(n_kv, hd)
+        .keys(ks)
+        .values(vs)
+        .residual(128)
+        .sinks(4);
+    let row_k = data(w, 7);
+    let row_v = data(w, 8);
+    for tokens in [4096, 32768] {
+        let fill_k = data(tokens * w, 5);
+        let fill_v = data(tokens * w, 6);
+        let pool = kvq::cache::PagePool::new(256, None).unwrap();
+        for (name, pool) in [("alone", None), ("pool256", Some(&pool))] {
+            let mut prompt = match pool {
+                Some(p) => LayerCache::new_in(cfg, p),
+                None => LayerCache::new(cfg),
+            }
+            .unwrap();
+            prompt.extend(&fill_k, &fill_v).unwrap();
+            g.bench_function(BenchmarkId::new(format!("fork-{name}"), tokens), |b| {
+                b.iter(|| black_box(prompt.fork()))
+            });
+            g.bench_function(
+                BenchmarkId::new(format!("fork-append-{name}"), tokens),
+                |b| {
+                    b.iter(|| {
+                        let mut f = prompt.fork();
+                        f.append(&row_k, &row_v).unwrap();
+                        black_box(f)
+                    })
+                },
+            );
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, append, append_at_length, fork);
 criterion_main!(benches);

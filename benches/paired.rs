@@ -19,6 +19,8 @@
 //! - `KVQ_PAIRED_RESIDENT=1`: one copy of each layer instead of 1 GiB of
 //!   them, so a layer that fits the last-level cache is read from there
 //!   rather than from DRAM.
+//! - `KVQ_PAIRED_PAGES`: page sizes (comma-separated) for extra cases
+//!   `cache 4b-kivi32-pool{N}`, KIVI-4 in a `PagePool` of `N`-token pages.
 //!
 //! One thread against two, and DRAM against a cache-resident layer, tell
 //! whether a path is bound by its arithmetic or by how it streams memory

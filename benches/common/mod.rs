@@ -9,8 +9,8 @@
 use half::f16;
 use kvq::kernels::{self, dense};
 use kvq::{
-    Axis, Backend, CacheConfig, Group, KvQuantizer, LayerCache, PackedBlock, QuantScheme,
-    UniformQuantizer,
+    cache::PagePool, Axis, Backend, CacheConfig, Group, KvQuantizer, LayerCache, PackedBlock,
+    QuantScheme, UniformQuantizer,
 };
 
 /// Deterministic pseudo-random values in `[-1, 1)`.
@@ -65,8 +65,8 @@ pub enum Layer {
         v: Vec<Vec<f32>>,
     },
     /// The public cache, attended through `LayerCache::attend` (its own
-    /// threads across heads).
-    Cache(Box<LayerCache>),
+    /// threads across heads), and the pool its pages come from.
+    Cache(Box<LayerCache>, Option<PagePool>),
     /// The roofline: as many bytes as the f16 layer, only read (summed as
     /// integers), no arithmetic to speak of.
     Read {
@@ -97,7 +97,7 @@ impl Layer {
             Layer::F16 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 2,
             Layer::F32 { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 4,
             Layer::Read { k, v } => (k.iter().chain(v).map(Vec::len).sum::<usize>()) * 8,
-            Layer::Cache(c) => c.bytes().total(),
+            Layer::Cache(c, _) => c.bytes().total(),
         }
     }
 
@@ -119,7 +119,7 @@ impl Layer {
             return;
         }
         assert!(
-            !matches!(self, Layer::Cache(_)),
+            !matches!(self, Layer::Cache(..)),
             "a cache attends all heads at once"
         );
         match self {
@@ -131,7 +131,7 @@ impl Layer {
             }
             Layer::F16 { k, .. } => dense::scores_f16_on(be, hd, &k[h], q, s).unwrap(),
             Layer::F32 { k, .. } => dense::scores_f32_on(be, hd, &k[h], q, s).unwrap(),
-            Layer::Read { .. } | Layer::Cache(_) => unreachable!(),
+            Layer::Read { .. } | Layer::Cache(..) => unreachable!(),
         }
         for row in s.chunks_mut(ctx) {
             kernels::softmax_on(be, row);
@@ -146,7 +146,7 @@ impl Layer {
             }
             Layer::F16 { v, .. } => dense::weighted_sum_f16_on(be, hd, &v[h], s, out).unwrap(),
             Layer::F32 { v, .. } => dense::weighted_sum_f32_on(be, hd, &v[h], s, out).unwrap(),
-            Layer::Read { .. } | Layer::Cache(_) => unreachable!(),
+            Layer::Read { .. } | Layer::Cache(..) => unreachable!(),
         }
     }
 }
@@ -171,7 +171,7 @@ pub fn attend_threads(
         threads > 0 && N_KV.is_multiple_of(threads),
         "threads must divide the {N_KV} KV heads"
     );
-    if let Layer::Cache(c) = layer {
+    if let Layer::Cache(c, _) = layer {
         // Its threads were fixed when it was built.
         c.attend(q, q.len() / hd, out).unwrap();
         return;
@@ -331,10 +331,27 @@ pub fn cache_cases<'a>(
     let build = move |cfg: CacheConfig| {
         let mut c = LayerCache::new(cfg).unwrap();
         c.extend(kx, vx).unwrap();
-        Layer::Cache(Box::new(c))
+        Layer::Cache(Box::new(c), None)
     };
     let (pc, pt) = (scheme(4, Axis::PerChannel), scheme(4, Axis::PerToken));
-    vec![
+    // KIVI-4 in a page pool of each size `KVQ_PAIRED_PAGES` lists.
+    let pages: Vec<usize> = std::env::var("KVQ_PAIRED_PAGES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_default();
+    let pooled = pages.into_iter().map(move |n| {
+        let make = move || {
+            let pool = PagePool::new(n, None).unwrap();
+            let mut c = LayerCache::new_in(base().keys(pc).values(pt), &pool).unwrap();
+            c.extend(kx, vx).unwrap();
+            Layer::Cache(Box::new(c), Some(pool))
+        };
+        (
+            format!("cache 4b-kivi32-pool{n}"),
+            Box::new(make) as Make<'a>,
+        )
+    });
+    let mut cases: Vec<(String, Make<'a>)> = vec![
         (
             "cache 4b-kivi32".into(),
             Box::new(move || build(base().keys(pc).values(pt))) as Make<'a>,
@@ -374,7 +391,9 @@ pub fn cache_cases<'a>(
             "cache 3b-H-gauss".into(),
             Box::new(move || build(base().key_codec(gauss(3)).value_codec(gauss(3)))),
         ),
-    ]
+    ];
+    cases.extend(pooled);
+    cases
 }
 
 /// Lloyd-Max levels at `bits` on symmetric per-token groups of 32, rotated.
@@ -388,5 +407,23 @@ fn gauss(bits: u8) -> kvq::Codec {
 /// `COLD_BYTES` worth of copies of `first` (at least one, at most 64).
 pub fn cold_copies(first: Layer) -> Vec<Layer> {
     let copies = COLD_BYTES.div_ceil(first.bytes()).clamp(1, 64);
-    (0..copies).map(|_| first.clone()).collect()
+    match &first {
+        // A clone of a cache shares its pages: each copy is a saved and
+        // loaded one, in memory of its own.
+        Layer::Cache(c, pool) => {
+            let mut b = Vec::new();
+            c.save(&mut b).unwrap();
+            let (be, threads) = (c.backend(), THREADS);
+            (0..copies)
+                .map(|_| {
+                    let c = match pool {
+                        Some(p) => LayerCache::load_in(&b[..], p),
+                        None => LayerCache::load_on(&b[..], Some(be), threads),
+                    };
+                    Layer::Cache(Box::new(c.unwrap()), pool.clone())
+                })
+                .collect()
+        }
+        _ => (0..copies).map(|_| first.clone()).collect(),
+    }
 }

@@ -299,7 +299,7 @@ impl Scratch {
 /// The quantized K/V cache of one attention layer.
 ///
 /// See the [module docs](self) for where tokens live and an example.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct LayerCache {
     cfg: CacheConfig,
     len: usize,
@@ -310,6 +310,23 @@ pub struct LayerCache {
     scratch: Scratch,
     backend: Backend,
     threads: usize,
+}
+
+impl Clone for LayerCache {
+    /// A [`fork`](LayerCache::fork): every page shared, the sinks and the
+    /// residual window copied, no call scratch.
+    fn clone(&self) -> Self {
+        LayerCache {
+            cfg: self.cfg,
+            len: self.len,
+            k: self.k.clone(),
+            v: self.v.clone(),
+            rope: self.rope.clone(),
+            scratch: Scratch::default(),
+            backend: self.backend,
+            threads: self.threads,
+        }
+    }
 }
 
 impl PartialEq for LayerCache {

@@ -3,7 +3,7 @@
 use super::*;
 
 /// One of K or V of a layer.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) struct Tensor {
     /// The stored format (`None`: full precision).
     pub(super) codec: Option<Arc<dyn KvCodec>>,
@@ -29,6 +29,28 @@ pub(super) struct Tensor {
     pub(super) pool: Option<Arc<PoolInner>>,
     /// Per-channel: running min/max of the block being filled.
     pub(super) pend: Pending,
+}
+
+impl Clone for Tensor {
+    /// Shares every page; copies the sink and the live tail rows only.
+    fn clone(&self) -> Self {
+        Tensor {
+            codec: self.codec.clone(),
+            width: self.width,
+            sinks: self.sinks,
+            residual: self.residual,
+            sink: self.sink.clone(),
+            tail: self.tail_slice().to_vec(),
+            tail_start: 0,
+            packed: self.packed,
+            page: self.page,
+            pages: self.pages.clone(),
+            n_codes: self.n_codes,
+            n_params: self.n_params,
+            pool: self.pool.clone(),
+            pend: self.pend.clone(),
+        }
+    }
 }
 
 impl PartialEq for Tensor {
@@ -441,21 +463,46 @@ impl Tensor {
     /// Head `h`'s packed tokens as views, one per page, each with its
     /// first packed position.
     pub(super) fn views(&self, h: usize) -> Vec<(usize, PackedHead<'_>)> {
-        let Some(l) = self.layout() else {
-            return Vec::new();
+        self.views_in(h, 0, self.packed).collect()
+    }
+
+    /// [`views`](Self::views) of the pages that hold packed positions in
+    /// `a..b` (each view whole).
+    fn views_in(
+        &self,
+        h: usize,
+        a: usize,
+        b: usize,
+    ) -> impl Iterator<Item = (usize, PackedHead<'_>)> + '_ {
+        let l = self.layout();
+        let pi = match l {
+            Some(l) if l.shared_params() => 0,
+            _ => h,
         };
-        let pi = if l.shared_params() { 0 } else { h };
-        let mut out = Vec::with_capacity(self.pages.len());
-        let mut start = 0;
-        for seg in &self.pages {
-            let t = seg.tokens;
-            let codes = &seg.data.codes[h][..l.head_code_bytes(t)];
-            let params = &seg.data.params[pi][..self.param_len(&l, t)];
-            let v = PackedHead::new(l, t, codes, params).expect("cache keeps consistent buffers");
-            out.push((start, v));
-            start += t;
-        }
-        out
+        // Every page but the last is full.
+        let first = if self.page == 0 { 0 } else { a / self.page };
+        let pages = if l.is_some() {
+            &self.pages[first.min(self.pages.len())..]
+        } else {
+            &[]
+        };
+        pages
+            .iter()
+            .scan(first * self.page, |start, seg| {
+                let s0 = *start;
+                *start += seg.tokens;
+                Some((s0, seg))
+            })
+            .take_while(move |(s0, _)| *s0 < b)
+            .map(move |(s0, seg)| {
+                let l = l.expect("pages hold packed tokens of a codec");
+                let t = seg.tokens;
+                let codes = &seg.data.codes[h][..l.head_code_bytes(t)];
+                let params = &seg.data.params[pi][..self.param_len(&l, t)];
+                let v =
+                    PackedHead::new(l, t, codes, params).expect("cache keeps consistent buffers");
+                (s0, v)
+            })
     }
 
     /// Head `h`'s packed codes, all pages in order.
@@ -642,7 +689,7 @@ impl Tensor {
         }
         let (x0, x1) = clip(n_sink, p_end);
         if x0 < x1 {
-            for (s0, view) in self.views(h) {
+            for (s0, view) in self.views_in(h, x0 - n_sink, x1 - n_sink) {
                 // The page's positions, clipped to `x0..x1`.
                 let (v0, v1) = (n_sink + s0, n_sink + s0 + view.tokens());
                 let (y0, y1) = (x0.max(v0), x1.min(v1));

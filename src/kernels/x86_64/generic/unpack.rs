@@ -10,9 +10,35 @@ pub(crate) struct Buf {
     pub(crate) len: usize,
 }
 
+thread_local! {
+    /// Buffers of finished kernel calls, for the next call on this thread:
+    /// a cache split into many small pages makes one call per page, and
+    /// allocating each call's scratch anew cost a fifth of the time at
+    /// 16-token pages.
+    static SPARE: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Spare buffers kept per thread.
+const SPARE_BUFS: usize = 16;
+
 impl Buf {
     pub(crate) fn new(len: usize) -> Buf {
-        let v = vec![0f32; len + 16];
+        let want = len + 16;
+        let mut v = SPARE
+            .try_with(|f| {
+                let mut f = f.borrow_mut();
+                // The first spare that fits, else the largest one (grown).
+                let i = f
+                    .iter()
+                    .position(|b| b.capacity() >= want)
+                    .or_else(|| (0..f.len()).max_by_key(|&i| f[i].capacity()));
+                i.map(|i| f.swap_remove(i))
+            })
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        v.clear();
+        v.resize(want, 0.0);
         // An f32 pointer is at most 15 elements from a 64-byte boundary.
         let off = v.as_ptr().align_offset(64).min(16);
         Buf { v, off, len }
@@ -24,6 +50,19 @@ impl Buf {
     #[inline(always)]
     pub(crate) fn m(&mut self) -> &mut [f32] {
         &mut self.v[self.off..self.off + self.len]
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.v);
+        // (During thread teardown the spares are gone: the buffer is freed.)
+        let _ = SPARE.try_with(|f| {
+            let mut f = f.borrow_mut();
+            if f.len() < SPARE_BUFS {
+                f.push(v);
+            }
+        });
     }
 }
 
