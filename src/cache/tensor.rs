@@ -480,7 +480,7 @@ impl Tensor {
             _ => h,
         };
         // Every page but the last is full.
-        let first = if self.page == 0 { 0 } else { a / self.page };
+        let first = a.checked_div(self.page).unwrap_or(0);
         let pages = if l.is_some() {
             &self.pages[first.min(self.pages.len())..]
         } else {
