@@ -259,6 +259,18 @@ const DENSE_BLOCK_ROWS: usize = 8;
 /// Pre-RoPE keys are decoded and rotated about this many tokens at a time.
 const ROPE_CHUNK: usize = 256;
 
+/// Before section `i` is computed, ask for the start of section `i + 1`
+/// when it is packed (the next page).
+fn prefetch_next(backend: Backend, secs: &[Section<'_>], i: usize) {
+    if let Some(Section {
+        data: SectionData::Packed(v),
+        ..
+    }) = secs.get(i + 1)
+    {
+        kernels::prefetch_head(backend, v);
+    }
+}
+
 /// Head `h`'s `n` rows of full-precision `data` (`[n, width]`), contiguous.
 fn head_rows(data: &[f32], width: usize, h: usize, hd: usize, n: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(n * hd);
@@ -1191,7 +1203,9 @@ impl LayerCache {
         if let Some(rope) = &self.rope {
             return self.k_scores_rope(rope, h, q, rows, a, b, out, tmp);
         }
-        for sec in self.k.sections(h, a, b) {
+        let secs = self.k.sections(h, a, b);
+        for (si, sec) in secs.iter().enumerate() {
+            prefetch_next(self.backend, &secs, si);
             let off = sec.start - a;
             match sec.data {
                 SectionData::Dense(data) if rows >= DENSE_BLOCK_ROWS => {
@@ -1215,8 +1229,14 @@ impl LayerCache {
                     }
                 }
                 SectionData::Packed(view) => {
-                    let tmp = uninit_len(tmp, rows * sec.len);
                     let c = self.k.codec.as_ref().expect("packed tokens have a codec");
+                    if rows == 1 {
+                        // One query: its scores go straight to their place.
+                        c.scores(self.backend, &view, q, &mut out[off..off + sec.len])
+                            .expect("lengths are consistent");
+                        continue;
+                    }
+                    let tmp = uninit_len(tmp, rows * sec.len);
                     c.scores(self.backend, &view, q, tmp)
                         .expect("lengths are consistent");
                     for i in 0..rows {
@@ -1316,7 +1336,9 @@ impl LayerCache {
     ) {
         let hd = self.cfg.head_dim;
         let width = b - a;
-        for sec in self.v.sections(h, a, b) {
+        let secs = self.v.sections(h, a, b);
+        for (si, sec) in secs.iter().enumerate() {
+            prefetch_next(self.backend, &secs, si);
             let off = sec.start - a;
             match sec.data {
                 SectionData::Dense(data) if rows >= DENSE_BLOCK_ROWS => {
@@ -1341,12 +1363,18 @@ impl LayerCache {
                     }
                 }
                 SectionData::Packed(view) => {
+                    let c = self.v.codec.as_ref().expect("packed tokens have a codec");
+                    if rows == 1 {
+                        // One query: its weights are read in place.
+                        c.weighted_sum(self.backend, &view, &p[off..off + sec.len], dst)
+                            .expect("lengths are consistent");
+                        continue;
+                    }
                     let tmp = uninit_len(tmp, rows * sec.len);
                     for i in 0..rows {
                         tmp[i * sec.len..(i + 1) * sec.len]
                             .copy_from_slice(&p[i * width + off..i * width + off + sec.len]);
                     }
-                    let c = self.v.codec.as_ref().expect("packed tokens have a codec");
                     c.weighted_sum(self.backend, &view, tmp, dst)
                         .expect("lengths are consistent");
                 }

@@ -158,6 +158,23 @@ pub use weighted_sum::{
 
 use crate::error::Result;
 
+/// Ask for the first tokens of `head`'s codes and params ahead of the
+/// call that reads them: the next page of a cache, while the current one
+/// is computed (a kernel's own prefetch stops at its buffer's end). A
+/// hint only: nothing is read, on any backend.
+pub(crate) fn prefetch_head(backend: Backend, head: &crate::store::PackedHead<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    if backend != Backend::Portable {
+        let l = head.layout();
+        let t = head.tokens();
+        x86_64::generic::prefetch_start(head.codes().as_ptr(), l.row_bytes(), t);
+        let pb = head.params().len() / t.max(1);
+        x86_64::generic::prefetch_start(head.params().as_ptr(), pb, t);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (backend, head);
+}
+
 pub(crate) fn check_queries(op: &'static str, hd: usize, q_len: usize) -> Result<usize> {
     crate::quant::check_rows(
         op,

@@ -256,7 +256,10 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
                 }
             }
         }
-        let ah = [Ahead::new(codes, rb, t0), Ahead::new(params, pb, t0)];
+        let ah = [
+            Ahead::new(codes, rb, t0, tokens),
+            Ahead::new(params, pb, t0, tokens),
+        ];
         // SAFETY: rows `t0..t0 + n` lie in the codes (checked); `scales`
         // holds their `gpr` scales each; the scratch `T` rows of `nch`
         // vectors (`hd` a multiple of `L` by `takes`).

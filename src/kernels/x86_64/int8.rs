@@ -209,8 +209,8 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
             while t0 < t_all {
                 let n = 16.min(t_all - t0);
                 let ah = [
-                    generic::Ahead::new(codes, rb, t0),
-                    generic::Ahead::new(params.as_ptr(), pb_tok, t0),
+                    generic::Ahead::new(codes, rb, t0, t_all),
+                    generic::Ahead::new(params.as_ptr(), pb_tok, t0, t_all),
                 ];
                 // 1. Weights, their maxima, the zero sums.
                 let mut amax = s.zero();

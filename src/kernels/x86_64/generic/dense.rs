@@ -49,6 +49,9 @@ pub(crate) fn dense_ahead<S: Simd>(base: *const u8, row: usize, full: usize, t0:
         Ahead {
             p,
             per: bytes / full,
+            // (Read by `dense_step`, which does not stop at an end: a dense
+            // buffer is the whole context, and past it lie few rows.)
+            end: usize::MAX,
         }
     } else {
         prefetch_to::<{ core::arch::x86_64::_MM_HINT_T1 }>(p, bytes);

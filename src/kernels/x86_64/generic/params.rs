@@ -150,8 +150,18 @@ impl TileParams {
             return [Ahead::NONE; 2];
         }
         [
-            Ahead::new(head.codes().as_ptr(), head.layout().row_bytes(), t0),
-            Ahead::new(head.params().as_ptr(), self.vals * self.p.fmt.bytes(), t0),
+            Ahead::new(
+                head.codes().as_ptr(),
+                head.layout().row_bytes(),
+                t0,
+                head.tokens(),
+            ),
+            Ahead::new(
+                head.params().as_ptr(),
+                self.vals * self.p.fmt.bytes(),
+                t0,
+                head.tokens(),
+            ),
         ]
     }
 
@@ -163,8 +173,9 @@ impl TileParams {
         // Every per-token path loads a tile's params here: prefetch both
         // of its streams, params and codes (unless the kernel spreads them).
         if !self.spread {
-            prefetch_ahead(head.params().as_ptr(), self.vals * fb, t0, n);
-            prefetch_ahead(head.codes().as_ptr(), head.layout().row_bytes(), t0, n);
+            let t = head.tokens();
+            prefetch_ahead(head.params().as_ptr(), self.vals * fb, t0, n, t);
+            prefetch_ahead(head.codes().as_ptr(), head.layout().row_bytes(), t0, n, t);
         }
         cvt_params(s, self.p.fmt, src, &mut self.conv.m()[..n * self.vals]);
         if self.p.sym {

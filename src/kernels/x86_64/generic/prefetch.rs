@@ -43,10 +43,25 @@ pub(crate) fn prefetch_to<const H: i32>(p: *const u8, len: usize) {
 }
 
 /// Prefetch the stream `base` of `per` bytes per token for the `n` tokens
-/// [`PREFETCH_TOKENS`] after token `t0`.
+/// [`PREFETCH_TOKENS`] after token `t0`, those of them before token
+/// `tokens` (the stream's end: past it lies other memory, and asking for
+/// it only takes bandwidth from the stream, which a buffer of a few dozen
+/// tokens, a small page, would otherwise pay several times over).
 #[inline(always)]
-pub(crate) fn prefetch_ahead(base: *const u8, per: usize, t0: usize, n: usize) {
-    prefetch(base.wrapping_add((t0 + PREFETCH_TOKENS) * per), n * per);
+pub(crate) fn prefetch_ahead(base: *const u8, per: usize, t0: usize, n: usize, tokens: usize) {
+    let a = t0 + PREFETCH_TOKENS;
+    let n = n.min(tokens.saturating_sub(a));
+    if n > 0 {
+        prefetch(base.wrapping_add(a * per), n * per);
+    }
+}
+
+/// Ask for the first [`PREFETCH_TOKENS`] tokens of a stream of `per`
+/// bytes per token and `tokens` tokens, ahead of the call that reads it
+/// (the next page of a cache, while the current one is computed).
+#[inline(always)]
+pub(crate) fn prefetch_start(base: *const u8, per: usize, tokens: usize) {
+    prefetch(base, PREFETCH_TOKENS.min(tokens) * per);
 }
 
 /// One stream's prefetch spread over a tile's tokens: token `tt` asks for
@@ -58,6 +73,8 @@ pub(crate) fn prefetch_ahead(base: *const u8, per: usize, t0: usize, n: usize) {
 pub(crate) struct Ahead {
     pub(crate) p: *const u8,
     pub(crate) per: usize,
+    /// The stream's end (nothing at or past it is asked for).
+    pub(crate) end: usize,
 }
 
 impl Ahead {
@@ -65,14 +82,17 @@ impl Ahead {
     pub(crate) const NONE: Ahead = Ahead {
         p: core::ptr::null(),
         per: 0,
+        end: 0,
     };
 
-    /// The stream `base` of `per` bytes per token, for the tile at `t0`.
+    /// The stream `base` of `per` bytes per token and `tokens` tokens, for
+    /// the tile at `t0`.
     #[inline(always)]
-    pub(crate) fn new(base: *const u8, per: usize, t0: usize) -> Ahead {
+    pub(crate) fn new(base: *const u8, per: usize, t0: usize, tokens: usize) -> Ahead {
         Ahead {
             p: base.wrapping_add((t0 + PREFETCH_TOKENS) * per),
             per,
+            end: (base as usize).wrapping_add(tokens * per),
         }
     }
 
@@ -88,6 +108,9 @@ impl Ahead {
     #[inline(always)]
     pub(crate) fn token_to<const H: i32>(self, tt: usize) {
         let a = self.p.wrapping_add(tt * self.per);
+        if a as usize >= self.end {
+            return;
+        }
         let mut o = 0;
         while o < self.per {
             // SAFETY: a prefetch is a hint: it reads nothing into the
@@ -111,6 +134,7 @@ pub(crate) struct BlockAhead {
     pub(crate) set: usize,
     pub(crate) gl: usize,
     pub(crate) spread: bool,
+    pub(crate) tokens: usize,
 }
 
 impl BlockAhead {
@@ -126,14 +150,15 @@ impl BlockAhead {
             set,
             gl,
             spread: per_token && set.is_multiple_of(gl),
+            tokens: head.tokens(),
         }
     }
 
     /// At the start of block `k`.
     #[inline(always)]
     pub(crate) fn block(&self, k: usize) {
-        if !self.spread {
-            let ahead = k + PREFETCH_TOKENS.div_ceil(self.gl);
+        let ahead = k + PREFETCH_TOKENS.div_ceil(self.gl);
+        if !self.spread && ahead < self.tokens.div_ceil(self.gl) {
             prefetch(self.params.wrapping_add(ahead * self.set), self.set);
         }
     }
@@ -144,11 +169,11 @@ impl BlockAhead {
     pub(crate) fn tile(&self, t0: usize, n: usize) -> [Ahead; 2] {
         if self.spread {
             [
-                Ahead::new(self.codes, self.rb, t0),
-                Ahead::new(self.params, self.set / self.gl, t0),
+                Ahead::new(self.codes, self.rb, t0, self.tokens),
+                Ahead::new(self.params, self.set / self.gl, t0, self.tokens),
             ]
         } else {
-            prefetch_ahead(self.codes, self.rb, t0, n);
+            prefetch_ahead(self.codes, self.rb, t0, n, self.tokens);
             [Ahead::NONE; 2]
         }
     }

@@ -26,7 +26,9 @@ pub(crate) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
     if t_all == 0 {
         return;
     }
-    let mut scr = Buf::new(S::T * hdp);
+    // The unpacked tile, for the paths that do not unpack into registers
+    // (allocated by those only: a small page is a call of its own).
+    let mut scr = Buf::new(0);
     let mut u8buf = vec![0u8; hdp];
     let mut qp = Buf::new(nq * hdp);
     for i in 0..nq {
@@ -59,6 +61,9 @@ pub(crate) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             // and biases straight from the stored bytes, in registers.
             let direct = p.fmt == ScaleFormat::F16 && hd == hdp && g.nch <= MAX_NCH;
             let set = hd * 2 * if p.sym { 1 } else { 2 };
+            if !fused {
+                scr = Buf::new(S::T * hdp);
+            }
             for k in 0..t_all.div_ceil(gl) {
                 pf.block(k);
                 if direct {
@@ -164,6 +169,9 @@ pub(crate) unsafe fn scores<S: Simd, const B: u8, const HD: usize>(
             let mut t0 = 0;
             let fused = fused && tp.rows.is_none();
             tp.spread = fused;
+            if !fused {
+                scr = Buf::new(S::T * hdp);
+            }
             while t0 < t_all {
                 let n = S::T.min(t_all - t0);
                 tp.load(s, head, t0, n);

@@ -327,7 +327,7 @@ pub(crate) unsafe fn channel_tiles<S: Simd, const B: u8, W: TileWork<S>>(
         let mut t0 = k * gl;
         while t0 < t_end {
             let n = S::T.min(t_end - t0);
-            prefetch_ahead(codes, g.rb, t0, n);
+            prefetch_ahead(codes, g.rb, t0, n, t_all);
             // SAFETY: rows `t0..t0 + n` are in the codes (`check_head`);
             // the scratch holds `T` rows of `hdp`; `sc`/`ze` hold the
             // block's `hdp` params and are not written meanwhile.

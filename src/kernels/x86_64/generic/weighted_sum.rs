@@ -26,7 +26,8 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
     if t_all == 0 {
         return;
     }
-    let mut scr = Buf::new(S::T * hdp);
+    // The unpacked tile, allocated by the arms that unpack into memory.
+    let scr_len = S::T * hdp;
     let mut u8buf = vec![0u8; hdp];
     let mut acc = Buf::new(nq * hdp);
     let codes = head.codes().as_ptr();
@@ -74,6 +75,7 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
             }
         }
         Axis::PerToken => {
+            let mut scr = Buf::new(scr_len);
             let mut tp = TileParams::new::<S>(head, g, pl);
             let (gpr, cpg) = (tp.gpr, tp.cpg);
             let gch = gpr.div_ceil(S::L);
@@ -170,6 +172,7 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
             }
         }
         Axis::PerChannel => {
+            let mut scr = Buf::new(scr_len);
             let mut work = ChannelSum {
                 p,
                 t_all,
