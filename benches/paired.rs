@@ -55,41 +55,14 @@
 mod common;
 
 use common::{
-    attend_threads, bytes_of, cache_cases, cold_copies, data, layer_cases, Layer, N_KV, THREADS,
+    attend_threads, bytes_of, cache_cases, cold_copies, data, env_list, env_num, layer_cases,
+    quantile, Layer, N_KV, THREADS,
 };
 use kvq::Backend;
 use std::hint::black_box;
 use std::time::Instant;
 
 const BASELINE: &str = "dense-f16";
-
-/// The `q`-quantile (0..=1) of `v` (sorted in place).
-fn quantile(v: &mut [f64], q: f64) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * q).round() as usize]
-}
-
-/// The number in the environment variable `name`, if set.
-fn env_num(name: &str) -> Option<usize> {
-    match env_list(name)?[..] {
-        [n] => Some(n),
-        ref v => panic!("{name}: one number, not {v:?}"),
-    }
-}
-
-/// The comma-separated numbers in the environment variable `name`, if set.
-fn env_list(name: &str) -> Option<Vec<usize>> {
-    let v = std::env::var(name).ok()?;
-    Some(
-        v.split(',')
-            .map(|x| {
-                x.trim()
-                    .parse()
-                    .unwrap_or_else(|_| panic!("{name}: comma-separated numbers, not {v:?}"))
-            })
-            .collect(),
-    )
-}
 
 fn main() {
     // `cargo bench` passes `--bench`; other arguments filter the cases.

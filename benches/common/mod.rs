@@ -427,3 +427,31 @@ pub fn cold_copies(first: Layer) -> Vec<Layer> {
         _ => (0..copies).map(|_| first.clone()).collect(),
     }
 }
+
+/// The `q`-quantile (0..=1) of `v` (sorted in place).
+pub fn quantile(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// The number in the environment variable `name`, if set.
+pub fn env_num(name: &str) -> Option<usize> {
+    match env_list(name)?[..] {
+        [n] => Some(n),
+        ref v => panic!("{name}: one number, not {v:?}"),
+    }
+}
+
+/// The comma-separated numbers in the environment variable `name`, if set.
+pub fn env_list(name: &str) -> Option<Vec<usize>> {
+    let v = std::env::var(name).ok()?;
+    Some(
+        v.split(',')
+            .map(|x| {
+                x.trim()
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{name}: comma-separated numbers, not {v:?}"))
+            })
+            .collect(),
+    )
+}
