@@ -21,7 +21,7 @@
 
 mod common;
 
-use common::{data, env_list, env_num, quantile, scheme};
+use common::{data, env_list, env_num, scheme, Paired};
 use half::f16;
 use kvq::cache::{attend_batch, PagePool};
 use kvq::kernels::{self, dense};
@@ -179,20 +179,14 @@ fn main() {
             println!("| case | min ms | median ms | sequences/s at median | f16 (same threads) ÷ case, median of rounds | f16 min ÷ case min |");
             println!("|---|---:|---:|---:|---:|---:|");
             for (c, name) in cases.iter().enumerate() {
-                let base = c / 4 * 4;
-                let mut ratios: Vec<f64> = times[base]
-                    .iter()
-                    .zip(&times[c])
-                    .map(|(b, t)| b / t)
-                    .collect();
-                let mut t = times[c].clone();
-                let (min, med) = (quantile(&mut t, 0.0), quantile(&mut t, 0.5));
-                let base_min = quantile(&mut times[base].clone(), 0.0);
+                let p = Paired::new(&times[c / 4 * 4], &times[c]);
                 println!(
-                    "| {name} | {min:.2} | {med:.2} | {:.0} | **{:.2}x** | {:.2}x |",
-                    n as f64 / med * 1e3,
-                    quantile(&mut ratios, 0.5),
-                    base_min / min,
+                    "| {name} | {:.2} | {:.2} | {:.0} | **{:.2}x** | {:.2}x |",
+                    p.min,
+                    p.median,
+                    n as f64 / p.median * 1e3,
+                    p.ratio,
+                    p.min_ratio,
                 );
             }
         }

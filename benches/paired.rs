@@ -56,7 +56,7 @@ mod common;
 
 use common::{
     attend_threads, bytes_of, cache_cases, cold_copies, data, env_list, env_num, layer_cases,
-    quantile, Layer, N_KV, THREADS,
+    Layer, Paired, N_KV, THREADS,
 };
 use kvq::Backend;
 use std::hint::black_box;
@@ -137,27 +137,17 @@ fn main() {
                 "| case | min ms | median ms | GB/s at median | f16 ÷ case, median of rounds | p25–p75 | f16 min ÷ case min |"
             );
             println!("|---|---:|---:|---:|---:|---:|---:|");
-            let base_min = quantile(&mut times[base].clone(), 0.0);
             for (c, (name, _)) in cases.iter().enumerate() {
-                let mut ratios: Vec<f64> = times[base]
-                    .iter()
-                    .zip(&times[c])
-                    .map(|(b, t)| b / t)
-                    .collect();
-                let mut t = times[c].clone();
-                let (min, med) = (quantile(&mut t, 0.0), quantile(&mut t, 0.5));
+                let p = Paired::new(&times[base], &times[c]);
                 // A cache counts its own bytes (codebooks store no zeros).
                 let bytes = match name.starts_with("cache ") {
                     true => cases[c].1[0].bytes(),
                     false => bytes_of(name, ctx, hd),
                 };
-                let gbs = bytes as f64 / med / 1e6;
+                let gbs = bytes as f64 / p.median / 1e6;
                 println!(
-                    "| {name} | {min:.2} | {med:.2} | {gbs:.1} | **{:.2}x** | {:.2}–{:.2}x | {:.2}x |",
-                    quantile(&mut ratios, 0.5),
-                    quantile(&mut ratios, 0.25),
-                    quantile(&mut ratios, 0.75),
-                    base_min / min,
+                    "| {name} | {:.2} | {:.2} | {gbs:.1} | **{:.2}x** | {:.2}–{:.2}x | {:.2}x |",
+                    p.min, p.median, p.ratio, p.ratio_p25, p.ratio_p75, p.min_ratio,
                 );
             }
         }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{max_abs_diff, Rng};
+use common::{attend, max_abs_diff, Rng};
 use kvq::cache::{attend_batch, dense_attention, resident_bytes, PagePool, PoolStats};
 use kvq::{presets, Axis, CacheConfig, Codec, Error, Group, LayerCache, QuantScheme};
 use proptest::prelude::*;
@@ -17,14 +17,9 @@ fn scheme(bits: u8, axis: Axis, group: Group) -> QuantScheme {
     QuantScheme::new(bits, axis, group).unwrap()
 }
 
+/// Keys and values of `n` random tokens.
 fn tokens(rng: &mut Rng, n: usize) -> (Vec<f32>, Vec<f32>) {
     (rng.vec(n * W), rng.vec(n * W))
-}
-
-fn attend(c: &LayerCache, q: &[f32], n_q: usize) -> Vec<f32> {
-    let mut out = vec![0.0; n_q * HD];
-    c.attend(q, n_q, &mut out).unwrap();
-    out
 }
 
 fn saved(c: &LayerCache) -> Vec<u8> {

@@ -455,3 +455,32 @@ pub fn env_list(name: &str) -> Option<Vec<usize>> {
             .collect(),
     )
 }
+
+/// What a paired run says of one case against its baseline: both timed
+/// in the same rounds (ms per call, one entry per round).
+pub struct Paired {
+    pub min: f64,
+    pub median: f64,
+    /// Quartiles and median of `baseline time / case time` per round.
+    pub ratio_p25: f64,
+    pub ratio: f64,
+    pub ratio_p75: f64,
+    /// Baseline minimum ÷ case minimum.
+    pub min_ratio: f64,
+}
+
+impl Paired {
+    pub fn new(base: &[f64], case: &[f64]) -> Paired {
+        let mut ratios: Vec<f64> = base.iter().zip(case).map(|(b, t)| b / t).collect();
+        let mut t = case.to_vec();
+        let (min, median) = (quantile(&mut t, 0.0), quantile(&mut t, 0.5));
+        Paired {
+            min,
+            median,
+            ratio_p25: quantile(&mut ratios, 0.25),
+            ratio: quantile(&mut ratios, 0.5),
+            ratio_p75: quantile(&mut ratios, 0.75),
+            min_ratio: quantile(&mut base.to_vec(), 0.0) / min,
+        }
+    }
+}

@@ -153,3 +153,10 @@ pub fn placed(cfg: &kvq::CacheConfig, ks: &[f32], vs: &[f32]) -> (Vec<f32>, Vec<
         side(cfg.value_codec_spec(), vs),
     )
 }
+
+/// `c.attend(q, n_q, …)` into a new output.
+pub fn attend(c: &kvq::LayerCache, q: &[f32], n_q: usize) -> Vec<f32> {
+    let mut out = vec![0.0; n_q * c.config().head_dim()];
+    c.attend(q, n_q, &mut out).unwrap();
+    out
+}
