@@ -281,6 +281,28 @@ fn a_full_pool_refuses_a_prompt_whole() {
 }
 
 #[test]
+fn a_rejected_prompt_gives_back_every_page_it_took() {
+    let cfg = kivi4().residual(8);
+    let pool = PagePool::new(64, Some(100 * cfg.page_bytes(64).unwrap())).unwrap();
+    let mut rng = Rng::new(5);
+    let mut a = LayerCache::new_in(cfg, &pool).unwrap();
+    let (k, v) = tokens(&mut rng, 300);
+    a.extend(&k, &v).unwrap();
+    let (before, stats) = (saved(&a), pool.stats());
+    // A long prompt whose last value is NaN: stored chunk by chunk, then
+    // undone.
+    let (k, mut v) = tokens(&mut rng, 5000);
+    *v.last_mut().unwrap() = f32::NAN;
+    assert!(matches!(a.extend(&k, &v), Err(Error::NonFinite { .. })));
+    assert_eq!(saved(&a), before);
+    let after = pool.stats();
+    assert_eq!(
+        (after.pages, after.used, after.stored),
+        (stats.pages, stats.used, stats.stored)
+    );
+}
+
+#[test]
 fn a_loaded_sequence_takes_its_pages_from_the_pool() {
     let cfg = kivi4().residual(16).sinks(4);
     let mut rng = Rng::new(3);
