@@ -5,6 +5,7 @@
 //! not exact).
 
 use crate::input::Choices;
+use kvq::cache::PagePool;
 use kvq::{
     Axis, Backend, CacheConfig, Codec, Group, KvCache, KvQuantizer, LayerCache, Levels, Mode,
     PackedBlock, QuantScheme, Rotation, Rounding, ScaleFormat, UniformQuantizer,
@@ -214,9 +215,10 @@ fn rope(c: &mut Choices<'_>, hd: usize, bad: bool) -> Option<kvq::Rope> {
     Some(Rope::new(base, dims, style).with_scaling(scaling))
 }
 
-/// A cache of a valid configuration under a sequence of calls with
-/// arbitrary lengths, shapes and values. A rejected call must leave the
-/// cache as it was.
+/// A cache of a valid configuration (outside a pool or in one, of any
+/// page size and capacity) under a sequence of calls with arbitrary
+/// lengths, shapes and values. A rejected call must leave the cache as it
+/// was; once the cache is gone, the pool must hold nothing.
 fn ops(x: &[u8]) -> String {
     let mut c = Choices::new(x);
     let (n_kv, hd) = (c.pick(&[1, 2, 3]), c.pick(&[8, 16, 32, 64, 80]));
@@ -231,7 +233,19 @@ fn ops(x: &[u8]) -> String {
         .pre_rope(rope(&mut c, hd, false))
         .backend(backend(&mut c))
         .threads(c.below(3));
-    let Ok(mut cache) = LayerCache::new(cfg) else {
+    let pool = match c.below(3) {
+        0 => None,
+        _ => {
+            let page = c.pick(&[1, 7, 64, 4096]);
+            let cap = c.pick(&[None, Some(0), Some(1 << 12), Some(1 << 16), Some(1 << 20)]);
+            Some(PagePool::new(page, cap).expect("a valid page size"))
+        }
+    };
+    let made = match &pool {
+        Some(p) => LayerCache::new_in(cfg, p),
+        None => LayerCache::new(cfg),
+    };
+    let Ok(mut cache) = made else {
         return "config rejected".into();
     };
     let w = n_kv * hd;
@@ -324,8 +338,17 @@ fn ops(x: &[u8]) -> String {
             _ => {
                 let mut b = Vec::new();
                 cache.save(&mut b).expect("saving to memory");
-                let back = LayerCache::load(&b[..]).expect("a cache's own bytes load");
+                let back = match &pool {
+                    Some(p) => match LayerCache::load_in(&b[..], p) {
+                        // `before` and `cache` hold the pages; a copy may
+                        // not fit.
+                        Err(kvq::Error::PoolExhausted { .. }) => cache.clone(),
+                        r => r.expect("a cache's own bytes load"),
+                    },
+                    None => LayerCache::load(&b[..]).expect("a cache's own bytes load"),
+                };
                 assert!(back == cache, "save ∘ load is not the identity");
+                cache = back;
                 Ok(())
             }
         };
@@ -342,6 +365,14 @@ fn ops(x: &[u8]) -> String {
         tag += &outcome(&r);
         let keep = tag.char_indices().nth(400).map_or(tag.len(), |(i, _)| i);
         tag.truncate(keep);
+    }
+    drop(cache);
+    if let Some(p) = pool {
+        let s = p.stats();
+        assert!(
+            s.pages == 0 && s.used == 0 && s.stored == 0,
+            "pages left in the pool: {s:?}"
+        );
     }
     tag
 }
