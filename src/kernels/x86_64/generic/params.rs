@@ -184,14 +184,17 @@ impl TileParams {
         if let Some((rs, rz)) = &mut self.rows {
             let (hd, hdp, gpr, vals, cpg) = (self.hd, self.hdp, self.gpr, self.vals, self.cpg);
             for tt in 0..n {
-                for c in 0..hd {
-                    let k = c / cpg;
-                    rs.m()[tt * hdp + c] = self.conv.s()[tt * vals + k];
-                    rz.m()[tt * hdp + c] = if self.p.sym {
+                // Group by group (no division per channel).
+                for k in 0..hd.div_ceil(cpg) {
+                    let sc = self.conv.s()[tt * vals + k];
+                    let z = if self.p.sym {
                         self.zs.s()[tt * gpr + k]
                     } else {
                         self.conv.s()[tt * vals + gpr + k]
                     };
+                    let (c0, c1) = (tt * hdp + k * cpg, tt * hdp + ((k + 1) * cpg).min(hd));
+                    rs.m()[c0..c1].fill(sc);
+                    rz.m()[c0..c1].fill(z);
                 }
             }
         }

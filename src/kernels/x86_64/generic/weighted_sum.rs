@@ -165,8 +165,10 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
             }
             if tp.rows.is_none() {
                 for i in 0..nq {
-                    for c in 0..hd {
-                        acc.m()[i * hdp + c] += zacc.s()[i * wst + c / cpg];
+                    let a = &mut acc.m()[i * hdp..i * hdp + hd];
+                    for (k, a) in a.chunks_mut(cpg).enumerate() {
+                        let z = zacc.s()[i * wst + k];
+                        a.iter_mut().for_each(|a| *a += z);
                     }
                 }
             }
@@ -724,8 +726,11 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
             (true, false) => (gpr, 1.0),
             (true, true) => (0, -tp.p.half),
         };
-        for (c, a) in acc[..g.hd].iter_mut().enumerate() {
-            *a += zs[zo + c / cpg] * zk;
+        // Group by group: a division per channel (`c / cpg`, a run-time
+        // divisor) cost more than a small page's whole sum.
+        for (k, a) in acc[..g.hd].chunks_mut(cpg).enumerate() {
+            let z = zs[zo + k] * zk;
+            a.iter_mut().for_each(|a| *a += z);
         }
     }
 }
