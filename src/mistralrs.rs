@@ -37,7 +37,7 @@ use std::sync::{Mutex, MutexGuard};
 use candle_core::Tensor;
 use mistralrs_kv_cache::{AttendConfig, CompressedKVCache, DecodeOutput, DequantResult};
 
-use crate::cache::{CacheConfig, LayerCache};
+use crate::cache::{CacheConfig, LayerCache, PagePool};
 use crate::error::{Error, Result};
 
 /// A whole model's cache for one sequence, as mistral.rs's
@@ -56,6 +56,20 @@ impl KvqCache {
         let layers = configs
             .into_iter()
             .map(|c| LayerCache::new(c).map(Mutex::new))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvqCache { layers })
+    }
+
+    /// [`new`](Self::new) with every layer's pages from `pool`: many
+    /// sequences' caches under one memory limit ([`PagePool`]; an append
+    /// beyond it is an error that changes nothing).
+    ///
+    /// # Errors
+    /// As [`LayerCache::new`] for any layer.
+    pub fn new_in(configs: impl IntoIterator<Item = CacheConfig>, pool: &PagePool) -> Result<Self> {
+        let layers = configs
+            .into_iter()
+            .map(|c| LayerCache::new_in(c, pool).map(Mutex::new))
             .collect::<Result<Vec<_>>>()?;
         Ok(KvqCache { layers })
     }

@@ -9,6 +9,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::Rng;
+use kvq::cache::PagePool;
 use kvq::mistralrs::KvqCache;
 use kvq::{presets, CacheConfig, Error, LayerCache};
 use mistralrs_kv_cache::{AttendConfig, CompressedKVCache, DecodeOutput};
@@ -317,4 +318,30 @@ fn mistralrs_trait_prefills_and_decodes_fused() {
     assert!(*cache.layer(0).unwrap() == shadow[0]);
     cache.reset().unwrap();
     assert_eq!((cache.seq_len(0), cache.memory_usage()), (0, 0));
+}
+
+#[test]
+fn mistralrs_sequences_share_one_page_pool() {
+    let cfg = config();
+    let pool = PagePool::new(64, Some(2 * cfg.page_bytes(64).unwrap())).unwrap();
+    let mut rng = Rng::new(9);
+    let (k, v, q) = (rng.vec(100 * W), rng.vec(100 * W), rng.vec(100 * 4 * HD));
+    let (k, v, q) = (
+        tensor(&k, N_KV, true, DType::F32),
+        tensor(&v, N_KV, true, DType::F32),
+        tensor(&q, 4, true, DType::F32),
+    );
+    let a = KvqCache::new_in([cfg], &pool).unwrap();
+    let b = KvqCache::new_in([cfg], &pool).unwrap();
+    a.prefill(0, &k, &v, &q).unwrap();
+    // 100 tokens, 2 sinks, a window of 8: one page of keys (two blocks of
+    // 32) and two of values.
+    assert_eq!(pool.stats().pages, 3);
+    // The second sequence does not fit, and is left empty.
+    assert!(b.prefill(0, &k, &v, &q).is_err());
+    assert_eq!(b.seq_len(0), 0);
+    assert_eq!(pool.stats().pages, 3);
+    drop(a);
+    b.prefill(0, &k, &v, &q).unwrap();
+    assert_eq!(pool.stats().pages, 3);
 }

@@ -336,6 +336,43 @@ fn a_loaded_sequence_takes_its_pages_from_the_pool() {
 }
 
 #[test]
+fn a_whole_model_loads_into_one_pool() {
+    let (k4, v4) = presets::kivi(4).unwrap();
+    let base = CacheConfig::new(N_KV, HD);
+    let cfgs = [
+        base.keys(k4).values(v4),
+        base.keys(presets::q8_0()).values(v4).residual(4),
+        base,
+    ];
+    let mut rng = Rng::new(6);
+    let mut m = kvq::KvCache::new(cfgs).unwrap();
+    for l in 0..3 {
+        let (k, v) = tokens(&mut rng, 300);
+        m.layer_mut(l).extend(&k, &v).unwrap();
+    }
+    let mut b = Vec::new();
+    m.save(&mut b).unwrap();
+    let need: usize = cfgs.iter().map(|c| 2 * c.page_bytes(256).unwrap()).sum();
+    let pool = PagePool::new(256, Some(need)).unwrap();
+    let back = kvq::KvCache::load_in(&b[..], &pool).unwrap();
+    for l in 0..3 {
+        assert!(back.layer(l) == m.layer(l), "layer {l}");
+    }
+    // Two pages of K and two of V in each quantized layer.
+    assert_eq!(pool.stats().pages, 8);
+    // A second copy does not fit; the layers it loaded give their pages back.
+    assert!(matches!(
+        kvq::KvCache::load_in(&b[..], &pool),
+        Err(Error::PoolExhausted { .. })
+    ));
+    assert_eq!(pool.stats().pages, 8);
+    drop(back);
+    assert_eq!(pool.stats().used, 0);
+    let fresh = kvq::KvCache::new_in(cfgs, &pool).unwrap();
+    assert_eq!(fresh.n_layers(), 3);
+}
+
+#[test]
 fn batched_decode_over_pooled_sequences_equals_each_alone() {
     let pool = PagePool::new(32, None).unwrap();
     let mut rng = Rng::new(4);

@@ -15,9 +15,46 @@ impl KvCache {
     /// # Errors
     /// As [`LayerCache::new`]; [`Error::InvalidShape`] for no layers.
     pub fn new(configs: impl IntoIterator<Item = CacheConfig>) -> Result<Self> {
+        Self::build(configs, None)
+    }
+
+    /// [`new`](Self::new) with every layer's pages from `pool` (one
+    /// sequence of a serving engine; see [`PagePool`]).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    ///
+    /// # Example
+    /// ```
+    /// use kvq::{cache::PagePool, presets, CacheConfig, KvCache};
+    /// let (keys, values) = presets::kivi(4)?;
+    /// let cfg = CacheConfig::new(2, 64).keys(keys).values(values);
+    /// let pool = PagePool::new(256, Some(30 * 4 * cfg.page_bytes(256)?))?;
+    /// let mut seq = KvCache::new_in(std::iter::repeat_n(cfg, 30), &pool)?;
+    /// let row = vec![0.5f32; 128];
+    /// for _ in 0..300 {
+    ///     for l in 0..30 {
+    ///         seq.layer_mut(l).append(&row, &row)?;
+    ///     }
+    /// }
+    /// // Two pages of keys and two of values per layer.
+    /// assert_eq!(pool.stats().pages, 30 * 4);
+    /// # Ok::<(), kvq::Error>(())
+    /// ```
+    pub fn new_in(configs: impl IntoIterator<Item = CacheConfig>, pool: &PagePool) -> Result<Self> {
+        Self::build(configs, Some(pool))
+    }
+
+    fn build(
+        configs: impl IntoIterator<Item = CacheConfig>,
+        pool: Option<&PagePool>,
+    ) -> Result<Self> {
         let layers = configs
             .into_iter()
-            .map(LayerCache::new)
+            .map(|c| match pool {
+                Some(p) => LayerCache::new_in(c, p),
+                None => LayerCache::new(c),
+            })
             .collect::<Result<Vec<_>>>()?;
         if layers.is_empty() {
             return Err(Error::InvalidShape {

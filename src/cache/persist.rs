@@ -793,10 +793,31 @@ impl KvCache {
     /// # Errors
     /// As [`LayerCache::load`].
     pub fn load_on(r: impl Read, backend: Option<Backend>, threads: usize) -> Result<Self> {
+        Self::load_with(r, backend, threads, None, "KvCache::load")
+    }
+
+    /// [`load`](Self::load) with every layer's pages from `pool`, on the
+    /// detected backend with all available threads.
+    ///
+    /// # Errors
+    /// As [`load`](Self::load); [`Error::PoolExhausted`] when the pool has
+    /// no room for the layers' pages (what the loaded layers took is
+    /// given back).
+    pub fn load_in(r: impl Read, pool: &PagePool) -> Result<Self> {
+        Self::load_with(r, None, 0, Some(pool), "KvCache::load_in")
+    }
+
+    fn load_with(
+        r: impl Read,
+        backend: Option<Backend>,
+        threads: usize,
+        pool: Option<&PagePool>,
+        op: &'static str,
+    ) -> Result<Self> {
         let mut i = In {
             r,
             sum: Checksum::new(),
-            op: "KvCache::load",
+            op,
         };
         let n = read_stream_header(&mut i, KIND_MODEL)?;
         // Grown layer by layer: the count is not trusted for an allocation,
@@ -804,7 +825,7 @@ impl KvCache {
         let mut layers = Vec::new();
         let mut claimed = 0usize;
         for _ in 0..n {
-            let l = LayerCache::load_layer(&mut i, backend, threads, None)?;
+            let l = LayerCache::load_layer(&mut i, backend, threads, pool)?;
             claimed += l.config_alloc();
             let backed = ALLOC_PER_BYTE
                 .saturating_mul(i.sum.total as usize)
