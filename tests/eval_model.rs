@@ -1551,6 +1551,7 @@ fn every_sweep_grid_builds() {
         GridKind::Codebook,
         GridKind::PreRope,
         GridKind::Budget,
+        GridKind::Rotation,
     ] {
         let g = grid(kind, 0, 0);
         assert!(g[0].is_baseline(), "{kind:?}");

@@ -72,7 +72,7 @@ pub struct Args {
     /// The grid of caches (see the module docs).
     #[arg(
         long,
-        value_name = "default|full|split|ladder|trap|codebook",
+        value_name = "default|full|split|ladder|trap|codebook|budget|prerope|rotation",
         default_value = "default"
     )]
     pub grid: GridKind,
@@ -164,6 +164,10 @@ pub enum GridKind {
     /// 2–4 bits, per-channel alone and with per-token values; per-token
     /// keys as the control.
     PreRope,
+    /// Every uniform scheme with and without the Hadamard rotation:
+    /// per-token groups at 2–8 bits, KIVI at 2–4 bits (values rotated, and
+    /// both rotated), and ggml's `q8_0`, `q5_1`, `q5_0`, `q4_1`, `q4_0`.
+    Rotation,
 }
 
 impl std::str::FromStr for GridKind {
@@ -178,8 +182,10 @@ impl std::str::FromStr for GridKind {
             "codebook" => Ok(GridKind::Codebook),
             "prerope" => Ok(GridKind::PreRope),
             "budget" => Ok(GridKind::Budget),
+            "rotation" => Ok(GridKind::Rotation),
             _ => Err(format!(
-                "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope, budget)"
+                "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope, \
+                 budget, rotation)"
             )),
         }
     }
@@ -260,6 +266,50 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
     let mut g = vec![mk("fp32 (baseline)".into(), None, None)];
     match kind {
         GridKind::Default => {}
+        GridKind::Rotation => {
+            let (g32, g64) = (Group::Size(32), Group::Size(64));
+            let mut plain = Vec::new();
+            for (b, gname, grp) in [
+                (8u8, "32", g32),
+                (6, "32", g32),
+                (4, "32", g32),
+                (4, "64", g64),
+                (4, "head", Group::Head),
+                (3, "32", g32),
+                (2, "32", g32),
+            ] {
+                plain.push(mk(
+                    format!("K{b}/V{b} pt{gname}"),
+                    Some(pt(b, grp)),
+                    Some(pt(b, grp)),
+                ));
+            }
+            let ggml = [
+                ("q8_0", kvq::presets::q8_0()),
+                ("q5_1", kvq::presets::q5_1()),
+                ("q5_0", kvq::presets::q5_0()),
+                ("q4_1", kvq::presets::q4_1()),
+                ("q4_0", kvq::presets::q4_0()),
+            ];
+            for (name, p) in ggml {
+                plain.push(mk(format!("K/V {name}"), Some(p), Some(p)));
+            }
+            for c in plain {
+                g.push(c.clone());
+                g.push(rotated(c));
+            }
+            for b in [4u8, 3, 2] {
+                let kivi = mk(
+                    format!("K{b}/V{b} KIVI pc32/pt32"),
+                    Some(pc(b, g32)),
+                    Some(pt(b, g32)),
+                );
+                g.push(kivi.clone());
+                g.push(rotated_values(kivi.clone()));
+                g.push(rotated(kivi));
+            }
+            return g;
+        }
         GridKind::Full => return full_grid(g, mk),
         GridKind::Split => {
             for b in 2u8..=7 {
