@@ -325,6 +325,13 @@ pub(super) fn reserve(
     let Some(p) = pool else {
         return Ok(Ticket::none());
     };
+    if bytes == 0 {
+        // Nothing to set aside: a call that takes no page never fails.
+        return Ok(Ticket {
+            pool: Some(p.clone()),
+            bytes: 0,
+        });
+    }
     let mut now = p.used.load(Relaxed);
     loop {
         let after = now.checked_add(bytes).filter(|&a| a <= p.capacity);
@@ -388,8 +395,8 @@ pub(super) fn new_page(
     };
     let codes = (0..nc).map(|_| take(cb)).collect();
     let params = (0..np).map(|_| take(pb)).collect();
-    // Keep what the pool holds within its capacity: the kept buffers of
-    // other sizes go first.
+    // Keep what the pool holds within its capacity: kept buffers are let
+    // go until it fits.
     let over = (p.used.load(Relaxed).saturating_add(free.bytes)).saturating_sub(p.capacity);
     if over > 0 {
         let mut left = over;
