@@ -54,6 +54,24 @@ impl Page {
         }
     }
 
+    /// Append bytes `c` of each of `codes` to the code buffers and bytes
+    /// `p` of each of `params` to the param buffers.
+    pub(super) fn extend_from(
+        &mut self,
+        codes: &[Vec<u8>],
+        params: &[Vec<u8>],
+        c: std::ops::Range<usize>,
+        p: std::ops::Range<usize>,
+    ) {
+        for (d, s) in self.codes.iter_mut().zip(codes) {
+            d.extend_from_slice(&s[c.clone()]);
+        }
+        for (d, s) in self.params.iter_mut().zip(params) {
+            d.extend_from_slice(&s[p.clone()]);
+        }
+        self.sync();
+    }
+
     /// Keep the first `cb` code bytes of every head and `pb` bytes of
     /// every param buffer.
     pub(super) fn truncate(&mut self, cb: usize, pb: usize) {

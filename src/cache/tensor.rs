@@ -317,13 +317,10 @@ impl Tensor {
             seg.tokens > 0
         });
         self.packed = packed;
+        let np = self.n_params;
         if let (Some(l), Some(seg)) = (self.layout(), self.pages.last_mut()) {
-            let (cb, pb) = (
-                l.head_code_bytes(seg.tokens),
-                l.param_bytes(seg.tokens) / self.n_params,
-            );
             if let Some(p) = Arc::get_mut(&mut seg.data) {
-                p.truncate(cb, pb);
+                p.truncate(l.head_code_bytes(seg.tokens), param_len(&l, np, seg.tokens));
             }
         }
     }
@@ -359,38 +356,30 @@ impl Tensor {
         self.layout().map_or(0, |l| l.bytes(self.page))
     }
 
-    /// The page the next unit goes into, writable: the last page when it
-    /// has room (copied first if a fork shares it), else a new one.
-    fn writable_page(&mut self, l: &Layout, ticket: &mut Ticket) -> &mut Segment {
-        let (cb, pb) = (l.head_code_bytes(self.page), self.param_len(l, self.page));
-        let sizes = ((self.n_codes, cb), (self.n_params, pb));
-        let room = self.pages.last().is_some_and(|s| s.tokens < self.page);
-        if !room {
+    /// Make the last page writable with room for the next unit: the last
+    /// page when it has room (copied first if a fork shares it), else a
+    /// new one.
+    fn writable_page(&mut self, l: &Layout, ticket: &mut Ticket) {
+        let np = self.n_params;
+        let sizes = (
+            (self.n_codes, l.head_code_bytes(self.page)),
+            (np, param_len(l, np, self.page)),
+        );
+        if self.pages.last().is_none_or(|s| s.tokens == self.page) {
             let data = Arc::new(new_page(ticket, sizes.0, sizes.1));
             self.pages.push(Segment { data, tokens: 0 });
         }
-        let n_params = self.n_params;
         let seg = self.pages.last_mut().expect("a page was just ensured");
-        let (tc, tp) = (
-            l.head_code_bytes(seg.tokens),
-            l.param_bytes(seg.tokens) / n_params,
-        );
+        let (tc, tp) = (l.head_code_bytes(seg.tokens), param_len(l, np, seg.tokens));
         match Arc::get_mut(&mut seg.data) {
             // Bytes past this tensor's share are from before a truncate.
             Some(p) => p.truncate(tc, tp),
             None => {
                 let mut p = new_page(ticket, sizes.0, sizes.1);
-                for (d, s) in p.codes.iter_mut().zip(&seg.data.codes) {
-                    d.extend_from_slice(&s[..tc]);
-                }
-                for (d, s) in p.params.iter_mut().zip(&seg.data.params) {
-                    d.extend_from_slice(&s[..tp]);
-                }
-                p.sync();
+                p.extend_from(&seg.data.codes, &seg.data.params, 0..tc, 0..tp);
                 seg.data = Arc::new(p);
             }
         }
-        seg
     }
 
     /// Give each buffer of an allocator page room for one more unit:
@@ -409,7 +398,7 @@ impl Tensor {
                 v.reserve_exact(cap - v.len());
             }
         };
-        let pl = |t: usize| l.param_bytes(t) / np;
+        let pl = |t: usize| param_len(l, np, t);
         let cb = l.head_code_bytes(live + unit) - l.head_code_bytes(live);
         let pb = pl(live + unit) - pl(live);
         let (cp, pp) = (l.head_code_bytes(page), pl(page));
@@ -440,13 +429,7 @@ impl Tensor {
             let mut p = new_page(ticket, (self.n_codes, cb), (self.n_params, pb));
             let (c0, c1) = (l.head_code_bytes(t0), l.head_code_bytes(t0 + t));
             let (p0, p1) = (self.param_len(&l, t0), self.param_len(&l, t0 + t));
-            for (d, s) in p.codes.iter_mut().zip(codes) {
-                d.extend_from_slice(&s[c0..c1]);
-            }
-            for (d, s) in p.params.iter_mut().zip(params) {
-                d.extend_from_slice(&s[p0..p1]);
-            }
-            p.sync();
+            p.extend_from(codes, params, c0..c1, p0..p1);
             self.pages.push(Segment {
                 data: Arc::new(p),
                 tokens: t,
@@ -457,7 +440,7 @@ impl Tensor {
 
     /// Bytes of param buffer `i` for `t` tokens.
     fn param_len(&self, l: &Layout, t: usize) -> usize {
-        l.param_bytes(t) / self.n_params
+        param_len(l, self.n_params, t)
     }
 
     /// Head `h`'s packed tokens as views, one per page, each with its
@@ -618,8 +601,9 @@ impl Tensor {
         };
         let token = self.sinks + self.packed;
         let (page, np) = (self.page, self.n_params);
-        let c = self.codec.clone().expect("a layout comes from a codec");
-        let seg = self.writable_page(&l, ticket);
+        self.writable_page(&l, ticket);
+        let c = self.codec.as_ref().expect("a layout comes from a codec");
+        let seg = self.pages.last_mut().expect("a writable page exists");
         let p = Arc::get_mut(&mut seg.data).expect("a writable page is not shared");
         Self::reserve_unit(p, &l, unit, seg.tokens, page, np);
         let rb = l.row_bytes();
@@ -757,4 +741,9 @@ impl Tensor {
         }
         out
     }
+}
+
+/// Bytes of each of `np` param buffers for `t` tokens of layout `l`.
+fn param_len(l: &Layout, np: usize, t: usize) -> usize {
+    l.param_bytes(t) / np
 }
