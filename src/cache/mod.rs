@@ -758,11 +758,8 @@ impl LayerCache {
         let n = k.len() / w;
         let chunk = (EXTEND_CHUNK_FLOATS / w).max(8);
         // Every page the call takes, set aside before anything changes.
-        let (pk_, pv_) = (self.k.packs(n, self.len), self.v.packs(n, self.len));
-        let need = (self.k.pages_for(pk_).checked_mul(self.k.page_bytes()))
-            .zip(self.v.pages_for(pv_).checked_mul(self.v.page_bytes()))
-            .and_then(|(a, b)| a.checked_add(b))
-            .unwrap_or(usize::MAX);
+        let need =
+            (self.k.page_bytes_for(n, self.len)).saturating_add(self.v.page_bytes_for(n, self.len));
         let mut ticket = reserve(op, self.k.pool.as_ref(), need)?;
         let marks = (self.k.mark(), self.v.mark(), self.len);
         let [mut pk, mut pv] = std::mem::take(&mut s.pend);

@@ -325,24 +325,25 @@ impl Tensor {
         }
     }
 
-    /// Pages a store of `added` more packed tokens takes: a copy of a
-    /// shared last page it writes into, and the new pages after it.
-    pub(super) fn pages_for(&self, added: usize) -> usize {
-        if added == 0 {
-            return 0;
-        }
-        match self.pages.last() {
+    /// Bytes of the pages an append of `n` rows at position `pos0` takes:
+    /// a copy of a shared last page it writes into, and the new pages
+    /// after it.
+    pub(super) fn page_bytes_for(&self, n: usize, pos0: usize) -> usize {
+        let added = self.packs(n, pos0);
+        let pages = match self.pages.last() {
+            _ if added == 0 => 0,
             Some(s) if s.tokens < self.page => {
                 let copy = Arc::strong_count(&s.data) > 1;
                 usize::from(copy) + (s.tokens + added).div_ceil(self.page) - 1
             }
             _ => added.div_ceil(self.page),
-        }
+        };
+        pages.saturating_mul(self.page_bytes())
     }
 
     /// Packed tokens an append of `n` rows at position `pos0` stores (what
     /// [`push_rows`](Self::push_rows) quantizes).
-    pub(super) fn packs(&self, n: usize, pos0: usize) -> usize {
+    fn packs(&self, n: usize, pos0: usize) -> usize {
         let m = n - self.sinks.saturating_sub(pos0).min(n);
         let unit = self.unit();
         if m == 0 || unit == usize::MAX {
