@@ -1054,3 +1054,133 @@ fn planner_30_layers_timing() {
         report(start)
     );
 }
+
+// ---------------------------------------------------------------------------
+// Captures stored as the cache stores them: sinks, keys before RoPE
+
+/// A layer whose keys were turned by `rope` from `k_pre` (an outlier channel
+/// per head), with queries for the last `queries` positions.
+fn roped_layer(
+    rng: &mut Rng,
+    shape: AttnShape,
+    tokens: usize,
+    queries: usize,
+    rope: &kvq::Rope,
+) -> (LayerCapture, Vec<f32>) {
+    let (nkv, hd) = (shape.n_kv_heads(), shape.head_dim());
+    let w = nkv * hd;
+    let k_pre: Vec<f32> = (0..tokens * w)
+        .map(|i| {
+            let x = rng.normal();
+            if i % hd == 3 {
+                6.0 + x
+            } else {
+                x
+            }
+        })
+        .collect();
+    let mut k = k_pre.clone();
+    for (t, row) in k.chunks_exact_mut(w).enumerate() {
+        rope.apply(row, hd, t);
+    }
+    let v = rng.vec(tokens * w);
+    let q = rng.vec(queries * shape.n_q_heads() * hd);
+    (LayerCapture::from_vecs(shape, q, k, v).unwrap(), k_pre)
+}
+
+#[test]
+fn capture_quantizes_as_the_cache_stores() {
+    use kvq::cache::dense_attention;
+    use kvq::{CacheConfig, Codec, LayerCache, Rope, RopeStyle};
+    let mut rng = Rng::new(41);
+    let shape = AttnShape::new(4, 2, 64).unwrap();
+    let (nkv, hd, nq) = (2, 64, 4);
+    let w = nkv * hd;
+    let rope = Rope::new(10_000.0, hd, RopeStyle::Halves);
+    let keys = Codec::uniform(QuantScheme::new(3, Axis::PerChannel, Group::Size(32)).unwrap());
+    let values = Codec::hadamard(QuantScheme::new(3, Axis::PerToken, Group::Size(32)).unwrap());
+    for (pre, sinks) in [(false, 0), (false, 4), (true, 0), (true, 4)] {
+        // The sinks, then three whole per-channel blocks of 32 (the cache
+        // keeps the tokens of a block it has not filled exact).
+        let (plain, k_pre) = roped_layer(&mut rng, shape, sinks + 96, 1, &rope);
+        let mut cap = plain.clone().with_sinks(sinks);
+        if pre {
+            cap = cap.with_pre_rope_keys(k_pre.clone(), rope).unwrap();
+        }
+        assert_eq!(cap.sinks(), sinks);
+        assert_eq!(cap.rope().is_some(), pre);
+        let kh = cap.quantized_keys(&keys).unwrap();
+        let vh = cap.quantized_values(&values).unwrap();
+        // The sinks are exact; the rest is not.
+        assert_eq!(kh[..sinks * w], cap.k()[..sinks * w]);
+        assert_eq!(vh[..sinks * w], cap.v()[..sinks * w]);
+        assert_ne!(kh[sinks * w..], cap.k()[sinks * w..]);
+        // The same cache attends over exactly these keys and values.
+        let cfg = CacheConfig::new(nkv, hd)
+            .key_codec(Some(keys))
+            .value_codec(Some(values))
+            .sinks(sinks)
+            .pre_rope(pre.then_some(rope));
+        let mut cache = LayerCache::new(cfg).unwrap();
+        let stored: &[f32] = if pre { &k_pre } else { cap.k() };
+        cache.extend(stored, cap.v()).unwrap();
+        let q = &cap.q()[..nq * hd];
+        let mut out = vec![0f32; nq * hd];
+        cache.attend(q, nq, &mut out).unwrap();
+        let want = dense_attention(q, nq, &kh, &vh, nkv, hd, 1.0 / (hd as f32).sqrt());
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = out
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(diff <= 1e-4 * scale, "pre {pre} sinks {sinks}: {diff}");
+    }
+    // Before RoPE, 3-bit per-channel keys lose less than after it.
+    let (plain, k_pre) = roped_layer(&mut rng, shape, 100, 1, &rope);
+    let errs = |cap: &LayerCapture| {
+        let kh = cap.quantized_keys(&keys).unwrap();
+        cap.k().iter().zip(&kh).map(|(a, b)| (a - b).powi(2)).sum::<f32>()
+    };
+    let pre = plain.clone().with_pre_rope_keys(k_pre.clone(), rope).unwrap();
+    assert!(errs(&pre) < errs(&plain));
+    // Every token a sink: nothing is quantized, the planner sees no error.
+    let all = plain.clone().with_sinks(100);
+    let lp = Planner::new(vec![keys], vec![values])
+        .unwrap()
+        .plan_per_layer(&[all], 16.0)
+        .unwrap();
+    assert_eq!(lp.errors.mean.output_rel, 0.0);
+    assert_eq!(lp.errors.mean.kl, 0.0);
+}
+
+#[test]
+fn pre_rope_capture_rejects_what_does_not_fit() {
+    use kvq::{Rope, RopeStyle};
+    let mut rng = Rng::new(43);
+    let shape = AttnShape::new(4, 2, 64).unwrap();
+    let rope = Rope::new(10_000.0, 64, RopeStyle::Halves);
+    let (cap, k_pre) = roped_layer(&mut rng, shape, 40, 2, &rope);
+    let short = k_pre[..k_pre.len() - 1].to_vec();
+    assert!(matches!(
+        cap.clone().with_pre_rope_keys(short, rope),
+        Err(Error::Length { .. })
+    ));
+    let mut nan = k_pre.clone();
+    nan[77] = f32::NAN;
+    assert!(matches!(
+        cap.clone().with_pre_rope_keys(nan, rope),
+        Err(Error::NonFinite { .. })
+    ));
+    let odd = Rope::new(10_000.0, 65, RopeStyle::Halves);
+    assert!(matches!(
+        cap.clone().with_pre_rope_keys(k_pre.clone(), odd),
+        Err(Error::InvalidConfig { .. })
+    ));
+    // Another RoPE than the one that made the keys.
+    let other = Rope::new(500_000.0, 64, RopeStyle::Adjacent);
+    assert!(matches!(
+        cap.clone().with_pre_rope_keys(k_pre.clone(), other),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(cap.with_pre_rope_keys(k_pre, rope).is_ok());
+}

@@ -55,8 +55,10 @@
 //! # Ok::<(), kvq::Error>(())
 //! ```
 
+use crate::cache::Rope;
 use crate::element::Element;
 use crate::error::{Error, Result};
+use crate::quant::Codec;
 use crate::quant::{check_finite, check_len, check_rows, KvQuantizer};
 use std::ops::Range;
 
@@ -397,6 +399,11 @@ pub struct LayerCapture {
     v: Vec<f32>,
     n_q: usize,
     tokens: usize,
+    /// Keys before RoPE and the RoPE that turns them into `k`, for a cache
+    /// that stores keys before RoPE.
+    pre_rope: Option<(Vec<f32>, Rope)>,
+    /// Leading tokens the cache keeps exact.
+    sinks: usize,
 }
 
 impl LayerCapture {
@@ -429,7 +436,116 @@ impl LayerCapture {
             v,
             n_q,
             tokens,
+            pre_rope: None,
+            sinks: 0,
         })
+    }
+
+    /// The same layer for a cache that stores keys before RoPE
+    /// ([`CacheConfig::pre_rope`](crate::CacheConfig::pre_rope)): `k_pre`
+    /// are the keys before `rope`, token `t` at position `t`. Attention still
+    /// reads the post-RoPE keys given to [`new`](Self::new); quantized keys
+    /// ([`quantized_keys`](Self::quantized_keys)) are `k_pre` through the
+    /// codec, then rotated.
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `k_pre` is not as long as the keys,
+    /// [`Error::NonFinite`] for NaN or infinite values,
+    /// [`Error::InvalidConfig`] for a `rope` that does not fit the head,
+    /// and [`Error::InvalidArgument`] when `rope` does not turn `k_pre` into
+    /// the keys (beyond `1e-3` of the largest key magnitude: the wrong RoPE,
+    /// or keys from another point of the layer).
+    pub fn with_pre_rope_keys(mut self, k_pre: Vec<f32>, rope: Rope) -> Result<Self> {
+        let op = "LayerCapture::with_pre_rope_keys";
+        let hd = self.shape.head_dim;
+        check_len(op, "pre-RoPE keys (as many as keys)", self.k.len(), k_pre.len())?;
+        check_finite(op, &k_pre, self.shape.n_kv_heads, hd, 0)?;
+        rope.check(op, hd)?;
+        let width = self.shape.n_kv_heads * hd;
+        let scale = self.k.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+        let mut row = vec![0f32; width];
+        for (t, (pre, post)) in k_pre
+            .chunks_exact(width)
+            .zip(self.k.chunks_exact(width))
+            .enumerate()
+        {
+            row.copy_from_slice(pre);
+            rope.apply(&mut row, hd, t);
+            let worst = row
+                .iter()
+                .zip(post)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            if worst > 1e-3 * scale {
+                return Err(Error::InvalidArgument {
+                    op,
+                    what: format!(
+                        "RoPE at position {t} turns the pre-RoPE keys into keys {worst} away \
+                         from the captured ones (largest key magnitude {scale})"
+                    ),
+                });
+            }
+        }
+        self.pre_rope = Some((k_pre, rope));
+        Ok(self)
+    }
+
+    /// The same layer for a cache that keeps its first `sinks` tokens exact
+    /// ([`CacheConfig::sinks`](crate::CacheConfig::sinks)): the quantized
+    /// keys and values leave them alone and quantize the rest from the
+    /// first packed token on, as the cache does.
+    pub fn with_sinks(mut self, sinks: usize) -> Self {
+        self.sinks = sinks;
+        self
+    }
+
+    /// Leading tokens kept exact.
+    pub fn sinks(&self) -> usize {
+        self.sinks
+    }
+
+    /// The RoPE of a capture for a pre-RoPE cache.
+    pub fn rope(&self) -> Option<&Rope> {
+        self.pre_rope.as_ref().map(|(_, r)| r)
+    }
+
+    /// The keys attention reads after `codec` stored them as this capture's
+    /// cache would: the sinks exact, the rest through the codec's round
+    /// trip (before RoPE, then rotated, for a pre-RoPE capture).
+    /// `[tokens, n_kv_heads, head_dim]`. A per-channel block the capture
+    /// ends inside is quantized too, as the cache quantizes it once it fills
+    /// (until then the cache keeps its tokens exact).
+    ///
+    /// # Errors
+    /// As [`Codec::roundtrip`].
+    pub fn quantized_keys(&self, codec: &Codec) -> Result<Vec<f32>> {
+        let (hd, width) = (self.shape.head_dim, self.shape.n_kv_heads * self.shape.head_dim);
+        let Some((pre, rope)) = &self.pre_rope else {
+            return self.stored(codec, &self.k);
+        };
+        let mut k = self.stored(codec, pre)?;
+        for (t, row) in k.chunks_exact_mut(width).enumerate() {
+            rope.apply(row, hd, t);
+        }
+        Ok(k)
+    }
+
+    /// The values attention reads after `codec` stored them (sinks exact).
+    ///
+    /// # Errors
+    /// As [`Codec::roundtrip`].
+    pub fn quantized_values(&self, codec: &Codec) -> Result<Vec<f32>> {
+        self.stored(codec, &self.v)
+    }
+
+    /// `x` with the rows past the sinks through `codec`.
+    fn stored(&self, codec: &Codec, x: &[f32]) -> Result<Vec<f32>> {
+        let (nkv, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
+        let cut = self.sinks.min(self.tokens) * nkv * hd;
+        let mut out = x[..cut].to_vec();
+        if cut < x.len() {
+            out.extend(codec.roundtrip(&x[cut..], nkv, hd)?);
+        }
+        Ok(out)
     }
 
     /// The layer's shape.

@@ -1050,7 +1050,7 @@ pub(super) fn score_layer(
     let mut failed_values = Vec::new();
     let mut kside: Vec<Option<KeyEntry>> = (0..setup.keys.len()).map(|_| None).collect();
     for &ki in &used_k {
-        let quantized = setup.keys[ki].roundtrip(cap.k(), nkv, hd);
+        let quantized = cap.quantized_keys(&setup.keys[ki]);
         let k_hat = match quantized {
             Ok(x) => x,
             Err(e) => {
@@ -1083,7 +1083,7 @@ pub(super) fn score_layer(
     }
     let mut vside: Vec<Option<ValueEntry>> = (0..setup.values.len()).map(|_| None).collect();
     for &vi in &used_v {
-        let quantized = setup.values[vi].roundtrip(cap.v(), nkv, hd);
+        let quantized = cap.quantized_values(&setup.values[vi]);
         let v_hat = match quantized {
             Ok(x) => x,
             Err(e) => {
