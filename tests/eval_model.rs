@@ -1552,6 +1552,7 @@ fn every_sweep_grid_builds() {
         GridKind::PreRope,
         GridKind::Budget,
         GridKind::Rotation,
+        GridKind::Plan,
     ] {
         let g = grid(kind, 0, 0);
         assert!(g[0].is_baseline(), "{kind:?}");
@@ -1574,4 +1575,71 @@ fn every_sweep_grid_builds() {
             }
         }
     }
+}
+
+/// `--grid plan` on a random model: each budget's per-layer allocation stays
+/// within it, the single pair is one codec pair for every layer, the stores
+/// hold exactly the planned codecs with keys before RoPE, and the caches run.
+#[test]
+fn planned_configurations_build_and_run() {
+    use kvq_eval::kvq_store::CacheSpec;
+    use kvq_eval::programs::sweep::plan_configs;
+    let cfg = Config {
+        head_dim: 64,
+        rope_dim: 64,
+        d_model: 64,
+        n_layers: 3,
+        ..tiny_config(RopeStyle::Halves)
+    };
+    let m = Model::random(cfg, 5, false);
+    let held = tokens(96, m.cfg.vocab_size, 8);
+    let budgets = [3.0, 4.5];
+    let configs = plan_configs(&m, &held, &budgets, 0, 4).unwrap();
+    assert_eq!(configs.len(), 2 * budgets.len());
+    let toks = tokens(64, m.cfg.vocab_size, 9);
+    let opts = PplOptions {
+        n_tokens: 64,
+        window: 32,
+        path: EvalPath::Prefill,
+        bos: None,
+    };
+    for (i, c) in configs.iter().enumerate() {
+        let budget = budgets[i / 2];
+        assert!(!c.is_baseline());
+        let layers = c.layers.as_ref().expect("planned per layer");
+        assert_eq!(layers.len(), 3);
+        let eb = c.effective_bits(3, 2, 64);
+        assert!(eb <= budget + 1e-9 && eb > budget - 1.5, "{}: {eb}", c.name);
+        if i % 2 == 1 {
+            assert!(layers.iter().all(|l| *l == layers[0]), "{}", c.name);
+        }
+        let (spec, hook) = c.store_and_hook();
+        assert!(hook.is_none());
+        assert_eq!(spec.sinks, 4);
+        assert!(spec.pre_rope);
+        assert_eq!(spec.keys, CacheSpec::FULL.keys);
+        let mut store =
+            kvq_eval::kvq_store::KvqStore::for_model_layers(&m.cfg, spec, layers).unwrap();
+        for (l, &(k, v)) in layers.iter().enumerate() {
+            let lc = store.cache().layer(l).config();
+            assert_eq!((lc.key_codec_spec(), lc.value_codec_spec()), (k, v));
+            assert!(lc.rope().is_some());
+        }
+        let r = perplexity(
+            &m,
+            &toks,
+            &mut store,
+            &mut Hooks::default(),
+            &opts,
+            |_, _| {},
+        )
+        .unwrap();
+        assert!(r.all.ppl().is_finite());
+    }
+    // A store needs one codec pair per layer.
+    let (spec, _) = configs[0].store_and_hook();
+    let short = &configs[0].layers.as_ref().unwrap()[..2];
+    assert!(kvq_eval::kvq_store::KvqStore::for_model_layers(&m.cfg, spec, short).is_err());
+    // A budget below every candidate is an error.
+    assert!(plan_configs(&m, &held, &[1.0], 0, 4).is_err());
 }

@@ -18,7 +18,7 @@ use kvq_eval::model::{DenseStore, Hooks};
 use kvq_eval::ppl::{
     capture_window, perplexity, perplexity_kl, EvalPath, Kl, PplOptions, Reference,
 };
-use kvq_eval::programs::sweep::attention_kl;
+use kvq_eval::programs::sweep::{attention_kl, Config};
 
 /// Full-precision perplexity of the first 512-token window, all predictions
 /// and second half, as measured on x86-64 in f32 (`docs/RESULTS.md`).
@@ -199,9 +199,7 @@ fn real_model_tokenizer_and_first_window_perplexity() {
         // Attention KL of the first window's real Q/K/V, per scheme.
         if let Some(pins) = want.4 {
             let cap = capture_window(&model, &ids[..512]).unwrap();
-            let kl = |spec: CacheSpec| {
-                attention_kl(&cap, &spec, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim).unwrap()
-            };
+            let kl = |spec: CacheSpec| attention_kl(&cap, &Config::new("pin", spec)).unwrap();
             let q4_0 = kvq::presets::q4_0();
             let plain = CacheSpec {
                 keys: Some(q4_0),

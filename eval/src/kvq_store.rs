@@ -146,6 +146,40 @@ impl KvqStore {
         })
     }
 
+    /// One layer cache per layer of the model `cfg` with its own key and
+    /// value codecs (`layers[l]`, `None`: full precision) and `spec`'s
+    /// windows and RoPE placement (its codecs are ignored): a per-layer
+    /// allocation such as [`kvq::Planner::plan_per_layer`] makes.
+    ///
+    /// # Errors
+    /// As [`KvCache::new`]; [`kvq::Error::InvalidConfig`] when `layers` does
+    /// not have one entry per layer.
+    pub fn for_model_layers(
+        cfg: &Config,
+        spec: CacheSpec,
+        layers: &[(Option<Codec>, Option<Codec>)],
+    ) -> Result<Self, kvq::Error> {
+        if layers.len() != cfg.n_layers {
+            return Err(kvq::Error::InvalidConfig {
+                op: "KvqStore::for_model_layers",
+                what: format!(
+                    "{} layer codecs for a model of {} layers",
+                    layers.len(),
+                    cfg.n_layers
+                ),
+            });
+        }
+        let base = layer_config(cfg.n_kv_heads, cfg.head_dim, &spec);
+        let configs = layers.iter().enumerate().map(|(l, &(k, v))| {
+            base.key_codec(k)
+                .value_codec(v)
+                .pre_rope(spec.pre_rope.then(|| cfg.kvq_rope(l)))
+        });
+        Ok(KvqStore {
+            cache: KvCache::new(configs)?,
+        })
+    }
+
     /// The underlying cache.
     pub fn cache(&self) -> &KvCache {
         &self.cache

@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! cargo run --release --example sweep -- [--model smollm2|gemma|PATH]
-//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget] [--full]
+//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan]
+//!     [--full] [--budgets B,B] [--calib austen|code|PATH]
 //!     [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
 //!     [--out results] [--no-fetch] [--only SUBSTR,SUBSTR]
@@ -18,7 +19,10 @@
 //! codebook codecs — `iq4_nl`, NF4, Lloyd-Max, fp8 — plain and rotated, beside
 //! the uniform grids of the same and half a bit more), `prerope` (per-channel
 //! keys stored before RoPE against after it, 2–4 bits), `budget`
-//! (per-channel keys with rotated Lloyd-Max values at 4.25–5 bits).
+//! (per-channel keys with rotated Lloyd-Max values at 4.25–5 bits),
+//! `rotation` (every uniform scheme with and without the Hadamard rotation)
+//! and `plan` (what `kvq::Planner` chooses from a held-out window at each
+//! of `--budgets`: its per-layer allocation and its best single pair).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
 //! (pip + apt, checked by sha256). For every domain and configuration it
@@ -72,7 +76,7 @@ pub struct Args {
     /// The grid of caches (see the module docs).
     #[arg(
         long,
-        value_name = "default|full|split|ladder|trap|codebook|budget|prerope|rotation",
+        value_name = "default|full|split|ladder|trap|codebook|budget|prerope|rotation|plan",
         default_value = "default"
     )]
     pub grid: GridKind,
@@ -112,6 +116,18 @@ pub struct Args {
     /// Only the configurations whose name contains one of these (the baseline always runs).
     #[arg(long, value_name = "SUBSTR,SUBSTR")]
     pub only: Option<String>,
+    /// --grid plan: the budgets, mean effective bits.
+    #[arg(
+        long,
+        value_name = "B,B",
+        value_delimiter = ',',
+        default_value = "3,3.5,4,4.5"
+    )]
+    pub budgets: Vec<f64>,
+    /// --grid plan: the corpus of the held-out calibration window (the
+    /// window right after the tokens the sweep scores).
+    #[arg(long, value_name = "D", default_value = "austen")]
+    pub calib: String,
 }
 
 impl Args {
@@ -168,6 +184,10 @@ pub enum GridKind {
     /// per-token groups at 2–8 bits, KIVI at 2–4 bits (values rotated, and
     /// both rotated), and ggml's `q8_0`, `q5_1`, `q5_0`, `q4_1`, `q4_0`.
     Rotation,
+    /// Caches the planner ([`kvq::Planner`]) chooses from a held-out
+    /// window ([`plan_grid`]): per budget, the per-layer allocation and the
+    /// best single pair, keys stored before RoPE.
+    Plan,
 }
 
 impl std::str::FromStr for GridKind {
@@ -183,9 +203,10 @@ impl std::str::FromStr for GridKind {
             "prerope" => Ok(GridKind::PreRope),
             "budget" => Ok(GridKind::Budget),
             "rotation" => Ok(GridKind::Rotation),
+            "plan" => Ok(GridKind::Plan),
             _ => Err(format!(
                 "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope, \
-                 budget, rotation)"
+                 budget, rotation, plan)"
             )),
         }
     }
@@ -203,12 +224,61 @@ pub struct Config {
     /// through the key codec there (every token, so no residual or sinks
     /// for keys) and the cache keeps them exact.
     pub key_point: QuantPoint,
+    /// Per-layer key and value codecs, in place of `spec`'s (whose windows
+    /// and RoPE placement still apply): a planned allocation.
+    pub layers: Option<Vec<(Option<Codec>, Option<Codec>)>>,
 }
 
 impl Config {
+    /// The cache `spec`, keys quantized in the cache, one codec pair for
+    /// every layer.
+    pub fn new(name: impl Into<String>, spec: CacheSpec) -> Self {
+        Config {
+            name: name.into(),
+            spec,
+            key_point: QuantPoint::AfterRope,
+            layers: None,
+        }
+    }
+
     /// Whether this is the full-precision baseline.
     pub fn is_baseline(&self) -> bool {
-        self.spec.keys.is_none() && self.spec.values.is_none()
+        self.layers.is_none() && self.spec.keys.is_none() && self.spec.values.is_none()
+    }
+
+    /// Layer `l`'s key and value codecs.
+    pub fn codecs(&self, l: usize) -> (Option<Codec>, Option<Codec>) {
+        match &self.layers {
+            Some(layers) => layers[l],
+            None => (self.spec.key_codec(), self.spec.value_codec()),
+        }
+    }
+
+    /// Effective bits of the quantized rows, K and V averaged over every
+    /// layer (16 for a full-precision tensor).
+    pub fn effective_bits(&self, n_layers: usize, n_kv: usize, hd: usize) -> f64 {
+        let eb = |c: Option<Codec>| {
+            c.map_or(16.0, |c| {
+                c.scheme()
+                    .layout(n_kv, hd)
+                    .map_or(f64::NAN, |l| l.effective_bits())
+            })
+        };
+        let sum: f64 = (0..n_layers)
+            .map(|l| {
+                let (k, v) = self.codecs(l);
+                (eb(k) + eb(v)) / 2.0
+            })
+            .sum();
+        sum / n_layers as f64
+    }
+
+    /// The store this configuration runs on.
+    fn store(&self, cfg: &crate::model::Config, spec: CacheSpec) -> Result<KvqStore, kvq::Error> {
+        match &self.layers {
+            Some(layers) => KvqStore::for_model_layers(cfg, spec, layers),
+            None => KvqStore::for_model(cfg, spec),
+        }
     }
 
     /// The cache the store holds and the key round trip the model applies.
@@ -233,21 +303,17 @@ fn s(bits: u8, axis: Axis, group: Group) -> QuantScheme {
 /// The grid: the full-precision baseline first, then the caches of `kind`
 /// ([`GridKind`]); every cache with `residual` and `sinks`.
 pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
-    let mk = |name: String, k: Option<QuantScheme>, v: Option<QuantScheme>| Config {
-        key_point: QuantPoint::AfterRope,
-        name,
-        spec: CacheSpec {
-            keys: k,
-            values: v,
-            residual,
-            sinks,
-            key_rotation: Rotation::None,
-            value_rotation: Rotation::None,
-            int8: false,
-            key_levels: None,
-            value_levels: None,
-            pre_rope: false,
-        },
+    let mk = |name: String, k: Option<QuantScheme>, v: Option<QuantScheme>| {
+        Config::new(
+            name,
+            CacheSpec {
+                keys: k,
+                values: v,
+                residual,
+                sinks,
+                ..CacheSpec::FULL
+            },
+        )
     };
     let rotated = |mut c: Config| {
         c.name = format!("H·{}", c.name);
@@ -266,6 +332,8 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
     let mut g = vec![mk("fp32 (baseline)".into(), None, None)];
     match kind {
         GridKind::Default => {}
+        // Planned in `run`, which has the model to calibrate on.
+        GridKind::Plan => return g,
         GridKind::Rotation => {
             let (g32, g64) = (Group::Size(32), Group::Size(64));
             let mut plain = Vec::new();
@@ -589,16 +657,6 @@ fn full_grid(
     g
 }
 
-/// Effective bits of a K/V pair (16 for an f16-equivalent full-precision tensor).
-pub fn effective_bits(spec: &CacheSpec, n_kv: usize, hd: usize) -> f64 {
-    let eb = |s: Option<QuantScheme>| {
-        s.map_or(16.0, |s| {
-            s.layout(n_kv, hd).map_or(f64::NAN, |l| l.effective_bits())
-        })
-    };
-    (eb(spec.keys) + eb(spec.values)) / 2.0
-}
-
 /// One result of the sweep (a line of `sweep.csv`, an element of
 /// `sweep.json`'s `rows`).
 #[derive(Debug, Clone, Serialize)]
@@ -658,7 +716,8 @@ pub const CSV_COLUMNS: [&str; 14] = [
 pub struct Report {
     /// Model file name.
     pub model: String,
-    /// The grid (`default`, `full`, `split`, `ladder`, `trap`, `codebook`, `prerope`, `budget`).
+    /// The grid (`default`, `full`, `split`, `ladder`, `trap`, `codebook`,
+    /// `prerope`, `budget`, `rotation`, `plan`).
     pub grid: String,
     /// Tokens per domain.
     pub tokens: usize,
@@ -672,6 +731,21 @@ pub struct Report {
     pub sinks: usize,
     /// The results.
     pub rows: Vec<Row>,
+    /// The per-layer codecs of the configurations that have them
+    /// (`--grid plan`).
+    pub allocations: Vec<Allocation>,
+}
+
+/// One configuration's codecs, layer by layer (an element of `sweep.json`'s
+/// `allocations`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Allocation {
+    /// Configuration name.
+    pub config: String,
+    /// Per layer: the key codec's label, or `None` for full precision.
+    pub keys: Vec<Option<String>>,
+    /// Per layer: the value codec's label.
+    pub values: Vec<Option<String>>,
 }
 
 /// Run the sweep: print the table and write `sweep.{csv,json,svg}`.
@@ -690,6 +764,9 @@ pub fn run(args: Args) -> Result<(), BoxError> {
     let (n_layers, n_kv, hd, n_q) = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.n_heads);
     let kind = args.grid_kind();
     let mut configs = grid(kind, args.residual, args.sinks);
+    if kind == GridKind::Plan {
+        configs.extend(plan_grid(&model, &tok, &args, &opts)?);
+    }
     if let Some(only) = &args.only {
         // Keep the baseline: Δppl needs it.
         configs.retain(|c| c.is_baseline() || only.split(',').any(|o| c.name.contains(o)));
@@ -724,7 +801,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         let mut reference = Reference::default();
         for c in &configs {
             let (store_spec, hook) = c.store_and_hook();
-            let mut store = KvqStore::for_model(&model.cfg, store_spec)?;
+            let mut store = c.store(&model.cfg, store_spec)?;
             let mut hooks = Hooks {
                 k: hook
                     .as_ref()
@@ -753,7 +830,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
             });
             let (ppl, ppl2) = (r.all.ppl(), r.second_half.ppl());
             let (b, b2) = *base.get_or_insert((ppl, ppl2));
-            let eb = effective_bits(&c.spec, n_kv, hd);
+            let eb = c.effective_bits(n_layers, n_kv, hd);
             rows.push(Row {
                 domain: domain.clone(),
                 config: c.name.clone(),
@@ -767,13 +844,9 @@ pub fn run(args: Args) -> Result<(), BoxError> {
                 // pre-RoPE keys; after `k_proj` of a model with `k_norm`
                 // the capture has no keys to compare.
                 attention_kl: match hook.as_ref().map(|h| h.0) {
-                    None if c.spec.pre_rope => {
-                        attention_kl_pre_rope(&cap, &c.spec, &model, n_q, n_kv, hd)?
-                    }
-                    None => attention_kl(&cap, &c.spec, n_q, n_kv, hd)?,
-                    Some(QuantPoint::AfterKNorm) => {
-                        attention_kl_pre_rope(&cap, &c.spec, &model, n_q, n_kv, hd)?
-                    }
+                    None if c.spec.pre_rope => attention_kl_pre_rope(&cap, c, &model)?,
+                    None => attention_kl(&cap, c)?,
+                    Some(QuantPoint::AfterKNorm) => attention_kl_pre_rope(&cap, c, &model)?,
                     Some(_) => f64::NAN,
                 },
                 kl_mean: klr.mean,
@@ -827,6 +900,18 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         residual: args.residual,
         sinks: args.sinks,
         rows,
+        allocations: configs
+            .iter()
+            .filter_map(|c| {
+                let layers = c.layers.as_ref()?;
+                let label = |x: &Option<Codec>| x.map(|c| c.label());
+                Some(Allocation {
+                    config: c.name.clone(),
+                    keys: layers.iter().map(|l| label(&l.0)).collect(),
+                    values: layers.iter().map(|l| label(&l.1)).collect(),
+                })
+            })
+            .collect(),
     };
     std::fs::write(
         out.join(format!("{stem}.csv")),
@@ -904,37 +989,25 @@ pub fn svg(model: &str, rows: &[Row]) -> Result<String, String> {
 }
 
 /// Mean attention KL (nats per query position and head, over all layers)
-/// between exact attention and attention over K/V quantized with `spec`
-/// (every token quantized: no residual window), on the captured first
-/// window with a causal mask. Keys are quantized as the cache stores them
-/// (post-RoPE); see [`attention_kl_pre_rope`] for keys quantized before.
-pub fn attention_kl(
-    cap: &Capture,
-    spec: &CacheSpec,
-    n_q: usize,
-    n_kv: usize,
-    hd: usize,
-) -> Result<f64, BoxError> {
-    attention_kl_with(cap, spec, n_q, n_kv, hd, |_, l, c| hat(&l.k, c, n_kv, hd))
+/// between exact attention and attention over K/V quantized with `c`'s
+/// codecs (every token quantized: no residual window), on the captured
+/// first window with a causal mask. Keys are quantized as the cache stores
+/// them (post-RoPE); see [`attention_kl_pre_rope`] for keys quantized before.
+pub fn attention_kl(cap: &Capture, c: &Config) -> Result<f64, BoxError> {
+    attention_kl_with(cap, c, |_, l, k| hat(&l.k, k, cap.n_kv_heads, cap.head_dim))
 }
 
 /// [`attention_kl`] with the keys quantized before RoPE (the capture's
 /// pre-RoPE keys round-tripped through the key codec), then rotated by
 /// `model`'s RoPE: what a pre-RoPE cache ([`CacheSpec::pre_rope`]) or a
 /// round trip after `k_norm` attends over.
-pub fn attention_kl_pre_rope(
-    cap: &Capture,
-    spec: &CacheSpec,
-    model: &Model,
-    n_q: usize,
-    n_kv: usize,
-    hd: usize,
-) -> Result<f64, BoxError> {
+pub fn attention_kl_pre_rope(cap: &Capture, c: &Config, model: &Model) -> Result<f64, BoxError> {
     if !cap.has_k_pre_rope() {
         return Err("the capture has no pre-RoPE keys".into());
     }
-    attention_kl_with(cap, spec, n_q, n_kv, hd, |li, l, c| {
-        let mut k = hat(&l.k_pre_rope, c, n_kv, hd)?;
+    let (n_kv, hd) = (cap.n_kv_heads, cap.head_dim);
+    attention_kl_with(cap, c, |li, l, k| {
+        let mut k = hat(&l.k_pre_rope, k, n_kv, hd)?;
         model.apply_rope(&mut k, n_kv * hd, cap.pos0, li);
         Ok(k)
     })
@@ -949,28 +1022,154 @@ fn hat(x: &[f32], c: Option<Codec>, n_kv: usize, hd: usize) -> Result<Vec<f32>, 
 
 fn attention_kl_with(
     cap: &Capture,
-    spec: &CacheSpec,
-    n_q: usize,
-    n_kv: usize,
-    hd: usize,
+    c: &Config,
     keys: impl Fn(usize, &LayerCapture, Option<Codec>) -> Result<Vec<f32>, kvq::Error>,
 ) -> Result<f64, BoxError> {
     use kvq::metrics::{layer_errors, AttnShape, MetricsConfig};
-    if spec.keys.is_none() && spec.values.is_none() {
+    if c.is_baseline() {
         return Ok(0.0);
     }
+    let (n_q, n_kv, hd) = (cap.n_q_heads, cap.n_kv_heads, cap.head_dim);
     let shape = AttnShape::new(n_q, n_kv, hd)?;
     let cfg = MetricsConfig::new().with_causal(0);
     let mut total = 0.0;
     for (li, l) in cap.layers.iter().enumerate() {
-        let (kh, vh) = (
-            keys(li, l, spec.key_codec())?,
-            hat(&l.v, spec.value_codec(), n_kv, hd)?,
-        );
+        let (kc, vc) = c.codecs(li);
+        let (kh, vh) = (keys(li, l, kc)?, hat(&l.v, vc, n_kv, hd)?);
         total += layer_errors(shape, l.q.as_slice(), &l.k, &l.v, &kh, &vh, &cfg)?
             .summary
             .mean
             .kl;
     }
     Ok(total / cap.layers.len() as f64)
+}
+
+/// The candidates [`plan_grid`] chooses from: per-channel keys at 2–8 bits
+/// in blocks of 32, 64 and 128 tokens; rotated values, Lloyd-Max at 2–4
+/// bits and the uniform grid at 5, 6 and 8, in groups of 32 and 64.
+pub fn plan_candidates() -> (Vec<Codec>, Vec<Codec>) {
+    let mut keys = Vec::new();
+    for b in [2u8, 3, 4, 5, 6, 8] {
+        for g in [32, 64, 128] {
+            keys.push(Codec::uniform(s(b, Axis::PerChannel, Group::Size(g))));
+        }
+    }
+    let mut values = Vec::new();
+    for g in [32, 64] {
+        for b in [2u8, 3, 4] {
+            let sym = s(b, Axis::PerToken, Group::Size(g))
+                .with_mode(kvq::Mode::Symmetric)
+                .expect("symmetric grid schemes are valid");
+            values.push(Codec::codebook(sym, Levels::Gauss).with_rotation(Rotation::Hadamard));
+        }
+        for b in [5u8, 6, 8] {
+            values.push(Codec::hadamard(s(b, Axis::PerToken, Group::Size(g))));
+        }
+    }
+    (keys, values)
+}
+
+/// [`GridKind::Plan`]: captures a held-out window of `args.calib` (the
+/// `window` tokens after the `n_tokens` the sweep scores), and for every
+/// budget of `args.budgets` asks [`kvq::Planner::plan_per_layer`] (output
+/// error, causal, 32 query positions per layer, sinks as the sweep's, keys
+/// before RoPE) for its per-layer allocation and its best single pair.
+/// Prints each allocation.
+pub fn plan_grid(
+    model: &Model,
+    tok: &crate::tokenizer::Tokenizer,
+    args: &Args,
+    opts: &PplOptions,
+) -> Result<Vec<Config>, BoxError> {
+    let text = std::fs::read_to_string(crate::assets::corpus(&args.calib))?;
+    let all = super::prefix_tokens(tok, &text, opts.n_tokens + opts.window)?;
+    let held = all
+        .get(opts.n_tokens..opts.n_tokens + opts.window)
+        .ok_or_else(|| {
+            format!(
+                "{}: fewer than {} tokens for a held-out window",
+                args.calib,
+                opts.n_tokens + opts.window
+            )
+        })?;
+    plan_configs(
+        model,
+        &with_bos(held, opts.bos),
+        &args.budgets,
+        args.residual,
+        args.sinks,
+    )
+}
+
+/// The configurations of [`plan_grid`] planned on the window `held` (BOS
+/// included where the model wants one), for caches with `residual` and
+/// `sinks`.
+pub fn plan_configs(
+    model: &Model,
+    held: &[u32],
+    budgets: &[f64],
+    residual: usize,
+    sinks: usize,
+) -> Result<Vec<Config>, BoxError> {
+    use kvq::metrics::{AttnShape, LayerCapture as KvqCapture, MetricsConfig};
+    let cfg = &model.cfg;
+    let t = Instant::now();
+    let cap = capture_window(model, held)?;
+    if !cap.has_k_pre_rope() {
+        return Err("the calibration capture has no pre-RoPE keys".into());
+    }
+    let shape = AttnShape::new(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)?;
+    let captures = cap
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(l, c)| {
+            KvqCapture::from_vecs(shape, c.q.clone(), c.k.clone(), c.v.clone())?
+                .with_sinks(sinks)
+                .with_pre_rope_keys(c.k_pre_rope.clone(), cfg.kvq_rope(l))
+        })
+        .collect::<Result<Vec<_>, kvq::Error>>()?;
+    let (keys, values) = plan_candidates();
+    let planner = kvq::Planner::new(keys, values)?
+        .with_metrics(MetricsConfig::new().with_causal(0))
+        .with_max_queries(32);
+    let spec = CacheSpec {
+        residual,
+        sinks,
+        pre_rope: true,
+        ..CacheSpec::FULL
+    };
+    let mut out = Vec::new();
+    for &budget in budgets {
+        let lp = planner.plan_per_layer(&captures, budget)?;
+        eprintln!(
+            "plan {budget}: {:.3} bits, output error {:.4} (best single pair {}: {:.4})",
+            lp.effective_bits,
+            lp.score,
+            lp.uniform.label(),
+            lp.uniform.score
+        );
+        for (l, c) in lp.layers.iter().enumerate() {
+            eprintln!("  layer {l:2}: {:.3} bits  {}", c.effective_bits, c.label());
+        }
+        let layers: Vec<(Option<Codec>, Option<Codec>)> = lp
+            .layers
+            .iter()
+            .map(|c| (Some(c.keys), Some(c.values)))
+            .collect();
+        out.push(Config {
+            layers: Some(layers),
+            ..Config::new(format!("plan {budget} per layer"), spec)
+        });
+        let pair = (Some(lp.uniform.keys), Some(lp.uniform.values));
+        out.push(Config {
+            layers: Some(vec![pair; cfg.n_layers]),
+            ..Config::new(
+                format!("plan {budget} one pair {}", lp.uniform.label()),
+                spec,
+            )
+        });
+    }
+    eprintln!("planned in {:.1}s", t.elapsed().as_secs_f64());
+    Ok(out)
 }
