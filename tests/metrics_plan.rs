@@ -1139,9 +1139,16 @@ fn capture_quantizes_as_the_cache_stores() {
     let (plain, k_pre) = roped_layer(&mut rng, shape, 100, 1, &rope);
     let errs = |cap: &LayerCapture| {
         let kh = cap.quantized_keys(&keys).unwrap();
-        cap.k().iter().zip(&kh).map(|(a, b)| (a - b).powi(2)).sum::<f32>()
+        cap.k()
+            .iter()
+            .zip(&kh)
+            .map(|(a, b)| (a - b).powi(2))
+            .sum::<f32>()
     };
-    let pre = plain.clone().with_pre_rope_keys(k_pre.clone(), rope).unwrap();
+    let pre = plain
+        .clone()
+        .with_pre_rope_keys(k_pre.clone(), rope)
+        .unwrap();
     assert!(errs(&pre) < errs(&plain));
     // Every token a sink: nothing is quantized, the planner sees no error.
     let all = plain.clone().with_sinks(100);

@@ -458,7 +458,12 @@ impl LayerCapture {
     pub fn with_pre_rope_keys(mut self, k_pre: Vec<f32>, rope: Rope) -> Result<Self> {
         let op = "LayerCapture::with_pre_rope_keys";
         let hd = self.shape.head_dim;
-        check_len(op, "pre-RoPE keys (as many as keys)", self.k.len(), k_pre.len())?;
+        check_len(
+            op,
+            "pre-RoPE keys (as many as keys)",
+            self.k.len(),
+            k_pre.len(),
+        )?;
         check_finite(op, &k_pre, self.shape.n_kv_heads, hd, 0)?;
         rope.check(op, hd)?;
         let width = self.shape.n_kv_heads * hd;
@@ -518,7 +523,10 @@ impl LayerCapture {
     /// # Errors
     /// As [`Codec::roundtrip`].
     pub fn quantized_keys(&self, codec: &Codec) -> Result<Vec<f32>> {
-        let (hd, width) = (self.shape.head_dim, self.shape.n_kv_heads * self.shape.head_dim);
+        let (hd, width) = (
+            self.shape.head_dim,
+            self.shape.n_kv_heads * self.shape.head_dim,
+        );
         let Some((pre, rope)) = &self.pre_rope else {
             return self.stored(codec, &self.k);
         };
