@@ -935,6 +935,70 @@ fn planner_objectives_and_per_layer_budget() {
 }
 
 #[test]
+fn planner_layer_weights() {
+    let shape = AttnShape::new(2, 2, 64).unwrap();
+    let caps = synthetic_captures(4, shape, 128, 16, 5);
+    let planner = Planner::from_grid(&small_grid()).unwrap();
+    let budget = 4.5;
+    // Weights of 1 are no weights; a common factor changes nothing either.
+    let plain = planner.plan_per_layer(&caps, budget).unwrap();
+    for w in [1.0, 3.0] {
+        let same = planner
+            .clone()
+            .with_layer_weights(vec![w; 4])
+            .plan_per_layer(&caps, budget)
+            .unwrap();
+        assert_eq!(same.layers, plain.layers);
+        assert!((same.score - plain.score).abs() <= 1e-12 * plain.score);
+        let single = planner
+            .clone()
+            .with_layer_weights(vec![w; 4])
+            .plan(&caps, budget);
+        assert_eq!(
+            single.unwrap().best(),
+            planner.plan(&caps, budget).unwrap().best()
+        );
+    }
+    // Only layer 2 counts: it takes the bits, the others stay at their
+    // cheapest, and the score is layer 2's own.
+    let only2 = planner
+        .clone()
+        .with_layer_weights(vec![0.0, 0.0, 1.0, 0.0])
+        .plan_per_layer(&caps, budget)
+        .unwrap();
+    let bits: Vec<f64> = only2.layers.iter().map(|c| c.effective_bits).collect();
+    let cheapest = bits.iter().copied().fold(f64::MAX, f64::min);
+    assert!(bits[2] > cheapest, "{bits:?}");
+    for l in [0, 1, 3] {
+        assert_eq!(bits[l], cheapest, "{bits:?}");
+    }
+    assert!(only2.effective_bits <= budget + 1e-9);
+    assert!((only2.score - only2.layers[2].score).abs() <= 1e-12);
+    // Layer 2 alone is served at least as well as by the unweighted plan.
+    assert!(only2.layers[2].score <= plain.layers[2].score);
+    // One finite, non-negative weight per capture, not all zero.
+    for bad in [
+        vec![1.0; 3],
+        vec![1.0, f64::NAN, 1.0, 1.0],
+        vec![1.0, -1.0, 1.0, 1.0],
+        vec![0.0; 4],
+    ] {
+        let p = planner.clone().with_layer_weights(bad.clone());
+        assert!(
+            matches!(
+                p.plan_per_layer(&caps, budget),
+                Err(Error::InvalidArgument { .. })
+            ),
+            "{bad:?}"
+        );
+        assert!(matches!(
+            p.plan(&caps, budget),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+}
+
+#[test]
 fn planner_rejects_bad_input_and_skips_misfits() {
     let shape = AttnShape::new(1, 1, 64).unwrap();
     let caps = synthetic_captures(1, shape, 64, 4, 1);

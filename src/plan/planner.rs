@@ -140,7 +140,8 @@ pub struct Candidate {
     /// `(effective bits of K + of V) / 2`, averaged over layers weighted by
     /// their `n_kv_heads·head_dim` (per layer, for a per-layer plan).
     pub effective_bits: f64,
-    /// The [`Objective`] (its mean over heads and layers); lower is better.
+    /// The [`Objective`] (its mean over heads and layers, layers weighted
+    /// as [`Planner::with_layer_weights`] says); lower is better.
     pub score: f64,
     /// All errors, mean and worst over heads and layers.
     pub errors: ErrorSummary,
@@ -314,6 +315,7 @@ pub struct Planner {
     max_queries: usize,
     refine: usize,
     threads: usize,
+    layer_weights: Vec<f64>,
 }
 
 impl Planner {
@@ -357,6 +359,7 @@ impl Planner {
             max_queries: 8,
             refine: 8,
             threads: 0,
+            layer_weights: Vec::new(),
         })
     }
 
@@ -392,6 +395,43 @@ impl Planner {
         self.refine = n;
         self
     }
+    /// Weigh layer `l`'s objective by `weights[l]` wherever layers are
+    /// combined (the ranking, the per-layer greedy, every reported score):
+    /// the score of a choice becomes `Σ_l w_l·h_l·s_l / Σ_l w_l·h_l` (`h_l`
+    /// the layer's query heads, `s_l` its objective) instead of the plain
+    /// mean over heads. Layers are not equally sensitive — an error in one
+    /// layer's attention output can move the logits far more than the same
+    /// relative error in another — so a weight that measures that (say, the
+    /// next-token KL per unit of output error, from quantizing one layer
+    /// at a time) makes the objective follow the model's loss. Empty (the
+    /// default): every layer weighs 1. Checked when planning: one finite,
+    /// non-negative weight per capture, not all zero.
+    pub fn with_layer_weights(mut self, weights: Vec<f64>) -> Self {
+        self.layer_weights = weights;
+        self
+    }
+
+    /// Layer `l`'s weight.
+    fn weight(&self, l: usize) -> f64 {
+        self.layer_weights.get(l).copied().unwrap_or(1.0)
+    }
+
+    /// The objective over layers `(l, errors)`, weighted by heads and
+    /// layer weights.
+    fn weighted<'e>(&self, parts: impl IntoIterator<Item = (usize, &'e ErrorSummary)>) -> f64 {
+        let (mut num, mut den) = (0.0, 0.0);
+        for (l, e) in parts {
+            let w = self.weight(l) * e.count as f64;
+            num += w * self.objective.of(&e.mean);
+            den += w;
+        }
+        if den > 0.0 {
+            num / den
+        } else {
+            0.0
+        }
+    }
+
     /// Run on `n` threads (0: all available cores).
     pub fn with_threads(mut self, n: usize) -> Self {
         self.threads = n;
@@ -437,8 +477,14 @@ impl Planner {
             if !alive(k, v) {
                 continue;
             }
-            let errors = ErrorSummary::combine(scores.iter().filter_map(|l| l.pairs[p].as_ref()));
-            entries.push(self.candidate(&setup, k, v, errors, exact));
+            let parts: Vec<(usize, &ErrorSummary)> = scores
+                .iter()
+                .enumerate()
+                .filter_map(|(l, s)| s.pairs[p].as_ref().map(|e| (l, e)))
+                .collect();
+            let errors = ErrorSummary::combine(parts.iter().map(|x| x.1));
+            let score = self.weighted(parts);
+            entries.push(self.candidate(&setup, k, v, errors, score, exact));
             index.push((k, v));
         }
         if entries.is_empty() {
@@ -469,7 +515,9 @@ impl Planner {
                     .map(|l| l.pairs[j].ok_or_else(|| refine_failed(op)))
                     .collect::<Result<_>>()?;
                 let (k, v) = index[i];
-                entries[i] = self.candidate(&setup, k, v, ErrorSummary::combine(&parts), true);
+                let score = self.weighted(parts.iter().enumerate());
+                entries[i] =
+                    self.candidate(&setup, k, v, ErrorSummary::combine(&parts), score, true);
             }
         }
         let pareto = pareto_indices(&entries)
@@ -519,9 +567,11 @@ impl Planner {
         let n_layers = captures.len();
         let width: Vec<f64> = setup.width.clone();
         let total_w: f64 = width.iter().sum();
+        // Each layer's share of the objective: its heads times its weight.
         let heads: Vec<f64> = captures
             .iter()
-            .map(|c| c.shape().n_q_heads() as f64)
+            .enumerate()
+            .map(|(l, c)| c.shape().n_q_heads() as f64 * self.weight(l))
             .collect();
         let total_h: f64 = heads.iter().sum();
         // Per layer: the Pareto front of (bits, score) over live pairs.
@@ -575,7 +625,9 @@ impl Planner {
                         continue;
                     }
                     let gain = (s0 - s) * heads[l] / total_h / db;
-                    if best.is_none_or(|(g, ..)| gain > g) {
+                    // An upgrade that the objective does not see (a layer of
+                    // weight 0) is not worth its bits.
+                    if gain > 0.0 && best.is_none_or(|(g, ..)| gain > g) {
                         best = Some((gain, l, j, db));
                     }
                 }
@@ -597,7 +649,7 @@ impl Planner {
                 let sc = |p: usize| {
                     let parts: Vec<ErrorSummary> =
                         scores.iter().map(|l| l.pairs[p].expect("live")).collect();
-                    self.objective.of(&ErrorSummary::combine(&parts).mean)
+                    self.weighted(parts.iter().enumerate())
                 };
                 sc(a).total_cmp(&sc(b)).then(a.cmp(&b))
             });
@@ -641,12 +693,20 @@ impl Planner {
             uni_parts.push(exact_scores[l].pairs[1].ok_or_else(|| refine_failed(op))?);
         }
         let (uk, uv) = pairs[uniform_p];
-        let uniform = self.candidate(&setup, uk, uv, ErrorSummary::combine(&uni_parts), true);
+        let uniform = self.candidate(
+            &setup,
+            uk,
+            uv,
+            ErrorSummary::combine(&uni_parts),
+            self.weighted(uni_parts.iter().enumerate()),
+            true,
+        );
         // The screened choice may still lose to the uniform pair once both
         // are scored exactly: then every layer gets the uniform pair, so
         // the promise holds on the reported (exact) scores.
         let mut errors = ErrorSummary::combine(layers.iter().map(|c| &c.errors));
-        if self.objective.of(&errors.mean) > uniform.score {
+        let mut score = self.weighted(layers.iter().map(|c| &c.errors).enumerate());
+        if score > uniform.score {
             for (l, c) in layers.iter_mut().enumerate() {
                 *c = Candidate {
                     keys: setup.keys[uk],
@@ -658,6 +718,7 @@ impl Planner {
                 };
             }
             errors = ErrorSummary::combine(&uni_parts);
+            score = uniform.score;
         }
         let effective_bits = layers
             .iter()
@@ -669,7 +730,7 @@ impl Planner {
             objective: self.objective,
             layers,
             effective_bits,
-            score: self.objective.of(&errors.mean),
+            score,
             errors,
             uniform,
             skipped,
@@ -682,13 +743,14 @@ impl Planner {
         k: usize,
         v: usize,
         errors: ErrorSummary,
+        score: f64,
         exact: bool,
     ) -> Candidate {
         Candidate {
             keys: setup.keys[k],
             values: setup.values[v],
             effective_bits: setup.pair_bits(k, v),
-            score: self.objective.of(&errors.mean),
+            score,
             errors,
             exact,
         }
@@ -717,6 +779,21 @@ impl Planner {
             return Err(Error::InvalidArgument {
                 op,
                 what: "max_queries must be at least 1, got 0".into(),
+            });
+        }
+        let w = &self.layer_weights;
+        if !w.is_empty()
+            && (w.len() != captures.len()
+                || w.iter().any(|x| !(x.is_finite() && *x >= 0.0))
+                || w.iter().all(|&x| x == 0.0))
+        {
+            return Err(Error::InvalidArgument {
+                op,
+                what: format!(
+                    "layer weights must be one finite, non-negative weight per capture \
+                     ({}), not all zero; got {w:?}",
+                    captures.len()
+                ),
             });
         }
         let mut jobs = Vec::with_capacity(captures.len());
