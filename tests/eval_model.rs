@@ -1594,8 +1594,8 @@ fn planned_configurations_build_and_run() {
     let m = Model::random(cfg, 5, false);
     let held = tokens(96, m.cfg.vocab_size, 8);
     let budgets = [3.0, 4.5];
-    let configs = plan_configs(&m, &held, &budgets, 0, 4).unwrap();
-    assert_eq!(configs.len(), 2 * budgets.len());
+    let configs = plan_configs(&m, &held, None, &budgets, 0, 4).unwrap();
+    assert_eq!(configs.len(), 3 * budgets.len());
     let toks = tokens(64, m.cfg.vocab_size, 9);
     let opts = PplOptions {
         n_tokens: 64,
@@ -1604,13 +1604,13 @@ fn planned_configurations_build_and_run() {
         bos: None,
     };
     for (i, c) in configs.iter().enumerate() {
-        let budget = budgets[i / 2];
+        let budget = budgets[i / 3];
         assert!(!c.is_baseline());
         let layers = c.layers.as_ref().expect("planned per layer");
         assert_eq!(layers.len(), 3);
         let eb = c.effective_bits(3, 2, 64);
         assert!(eb <= budget + 1e-9 && eb > budget - 1.5, "{}: {eb}", c.name);
-        if i % 2 == 1 {
+        if i % 3 == 2 {
             assert!(layers.iter().all(|l| *l == layers[0]), "{}", c.name);
         }
         let (spec, hook) = c.store_and_hook();
@@ -1641,5 +1641,51 @@ fn planned_configurations_build_and_run() {
     let short = &configs[0].layers.as_ref().unwrap()[..2];
     assert!(kvq_eval::kvq_store::KvqStore::for_model_layers(&m.cfg, spec, short).is_err());
     // A budget below every candidate is an error.
-    assert!(plan_configs(&m, &held, &[1.0], 0, 4).is_err());
+    assert!(plan_configs(&m, &held, None, &[1.0], 0, 4).is_err());
+}
+
+/// The layer weights of `--grid plan`: one per layer, finite and
+/// non-negative, and zero for a layer the probe pair leaves exact (a
+/// window of sinks only).
+#[test]
+fn layer_weights_measure_each_layer() {
+    use kvq::metrics::{AttnShape, LayerCapture};
+    use kvq_eval::kvq_store::CacheSpec;
+    use kvq_eval::ppl::capture_window;
+    use kvq_eval::programs::sweep::layer_weights;
+    let cfg = Config {
+        head_dim: 64,
+        rope_dim: 64,
+        d_model: 64,
+        n_layers: 3,
+        ..tiny_config(RopeStyle::Halves)
+    };
+    let m = Model::random(cfg, 6, false);
+    let held = tokens(96, m.cfg.vocab_size, 10);
+    let cap = capture_window(&m, &held).unwrap();
+    let shape = AttnShape::new(4, 2, 64).unwrap();
+    let caps = |sinks: usize| -> Vec<LayerCapture> {
+        cap.layers
+            .iter()
+            .enumerate()
+            .map(|(l, c)| {
+                LayerCapture::from_vecs(shape, c.q.clone(), c.k.clone(), c.v.clone())
+                    .unwrap()
+                    .with_sinks(sinks)
+                    .with_pre_rope_keys(c.k_pre_rope.clone(), m.cfg.kvq_rope(l))
+                    .unwrap()
+            })
+            .collect()
+    };
+    let spec = |sinks| CacheSpec {
+        sinks,
+        pre_rope: true,
+        ..CacheSpec::FULL
+    };
+    let w = layer_weights(&m, &held, None, &caps(0), spec(0)).unwrap();
+    assert_eq!(w.len(), 3);
+    assert!(w.iter().all(|x| x.is_finite() && *x >= 0.0), "{w:?}");
+    assert!(w.iter().any(|&x| x > 0.0), "{w:?}");
+    let none = layer_weights(&m, &held, None, &caps(96), spec(96)).unwrap();
+    assert_eq!(none, vec![0.0; 3]);
 }

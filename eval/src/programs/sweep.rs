@@ -1094,27 +1094,97 @@ pub fn plan_grid(
         })?;
     plan_configs(
         model,
-        &with_bos(held, opts.bos),
+        held,
+        opts.bos,
         &args.budgets,
         args.residual,
         args.sinks,
     )
 }
 
-/// The configurations of [`plan_grid`] planned on the window `held` (BOS
-/// included where the model wants one), for caches with `residual` and
-/// `sinks`.
+/// The pair [`layer_weights`] quantizes one layer at a time with: 3-bit
+/// per-channel keys in blocks of 64, rotated 3-bit Lloyd-Max values in
+/// groups of 32 (about the middle of the budgets planned).
+pub fn probe_pair() -> (Codec, Codec) {
+    let v = s(3, Axis::PerToken, Group::Size(32))
+        .with_mode(kvq::Mode::Symmetric)
+        .expect("symmetric grid schemes are valid");
+    (
+        Codec::uniform(s(3, Axis::PerChannel, Group::Size(64))),
+        Codec::codebook(v, Levels::Gauss).with_rotation(Rotation::Hadamard),
+    )
+}
+
+/// How much each layer's attention error moves the model's predictions:
+/// per layer `l`, the next-token KL (against full precision, over the
+/// window `held`) with only layer `l` quantized by [`probe_pair`], divided
+/// by that layer's relative output error under the same pair on
+/// `captures` — the slope of the loss against the planner's objective, so
+/// `Planner::with_layer_weights` of these makes the objective follow the
+/// loss. A layer whose error is zero weighs zero.
+pub fn layer_weights(
+    model: &Model,
+    held: &[u32],
+    bos: Option<u32>,
+    captures: &[kvq::metrics::LayerCapture],
+    spec: CacheSpec,
+) -> Result<Vec<f64>, BoxError> {
+    let n = model.cfg.n_layers;
+    let (pk, pv) = probe_pair();
+    let probe = kvq::Planner::new([pk], [pv])?
+        .with_metrics(planner_metrics())
+        .with_max_queries(PLAN_QUERIES)
+        .plan_per_layer(captures, 16.0)?;
+    let opts = PplOptions {
+        n_tokens: held.len(),
+        window: held.len(),
+        path: EvalPath::Prefill,
+        bos,
+    };
+    let mut reference = Reference::default();
+    let mut full = KvqStore::for_model(&model.cfg, CacheSpec::FULL)?;
+    let hooks = &mut Hooks::default();
+    let record = Kl::Record(&mut reference);
+    perplexity_kl(model, held, &mut full, hooks, &opts, record, |_, _| {})?;
+    let mut weights = Vec::with_capacity(n);
+    for l in 0..n {
+        let mut layers = vec![(None, None); n];
+        layers[l] = (Some(pk), Some(pv));
+        let mut store = KvqStore::for_model_layers(&model.cfg, spec, &layers)?;
+        let cmp = Kl::Compare(&reference);
+        let (_, kl) = perplexity_kl(model, held, &mut store, hooks, &opts, cmp, |_, _| {})?;
+        let kl = kl.map_or(0.0, |k| k.mean);
+        let err = probe.layers[l].score;
+        weights.push(if err > 0.0 { kl / err } else { 0.0 });
+    }
+    Ok(weights)
+}
+
+/// Query positions per layer the plan grid's planner scores.
+const PLAN_QUERIES: usize = 32;
+
+/// The plan grid's attention: causal, as a prefill window.
+fn planner_metrics() -> kvq::MetricsConfig {
+    kvq::MetricsConfig::new().with_causal(0)
+}
+
+/// The configurations of [`plan_grid`] planned on the window `held`
+/// (`bos` replacing its first token, as the sweep's windows do), for
+/// caches with `residual` and `sinks`: per budget, the planner's per-layer
+/// allocation, the same with its layers weighted by [`layer_weights`], and
+/// its best single pair.
 pub fn plan_configs(
     model: &Model,
     held: &[u32],
+    bos: Option<u32>,
     budgets: &[f64],
     residual: usize,
     sinks: usize,
 ) -> Result<Vec<Config>, BoxError> {
-    use kvq::metrics::{AttnShape, LayerCapture as KvqCapture, MetricsConfig};
+    use kvq::metrics::{AttnShape, LayerCapture as KvqCapture};
     let cfg = &model.cfg;
     let t = Instant::now();
-    let cap = capture_window(model, held)?;
+    let cap = capture_window(model, &with_bos(held, bos))?;
     if !cap.has_k_pre_rope() {
         return Err("the calibration capture has no pre-RoPE keys".into());
     }
@@ -1131,35 +1201,59 @@ pub fn plan_configs(
         .collect::<Result<Vec<_>, kvq::Error>>()?;
     let (keys, values) = plan_candidates();
     let planner = kvq::Planner::new(keys, values)?
-        .with_metrics(MetricsConfig::new().with_causal(0))
-        .with_max_queries(32);
+        .with_metrics(planner_metrics())
+        .with_max_queries(PLAN_QUERIES);
     let spec = CacheSpec {
         residual,
         sinks,
         pre_rope: true,
         ..CacheSpec::FULL
     };
+    let weights = layer_weights(model, held, bos, &captures, spec)?;
+    eprintln!(
+        "layer weights (next-token KL per unit of output error): {}",
+        weights
+            .iter()
+            .map(|w| format!("{w:.3}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let weighted = planner.clone().with_layer_weights(weights);
+    let per_layer = |lp: &kvq::plan::LayerPlan| -> Vec<(Option<Codec>, Option<Codec>)> {
+        lp.layers
+            .iter()
+            .map(|c| (Some(c.keys), Some(c.values)))
+            .collect()
+    };
     let mut out = Vec::new();
     for &budget in budgets {
         let lp = planner.plan_per_layer(&captures, budget)?;
+        let wp = weighted.plan_per_layer(&captures, budget)?;
         eprintln!(
-            "plan {budget}: {:.3} bits, output error {:.4} (best single pair {}: {:.4})",
+            "plan {budget}: {:.3} bits, output error {:.4} (best single pair {}: {:.4}); \
+             weighted {:.3} bits",
             lp.effective_bits,
             lp.score,
             lp.uniform.label(),
-            lp.uniform.score
+            lp.uniform.score,
+            wp.effective_bits,
         );
-        for (l, c) in lp.layers.iter().enumerate() {
-            eprintln!("  layer {l:2}: {:.3} bits  {}", c.effective_bits, c.label());
+        for (l, (c, w)) in lp.layers.iter().zip(&wp.layers).enumerate() {
+            eprintln!(
+                "  layer {l:2}: {:.3} bits  {:<45}  weighted {:.3} bits  {}",
+                c.effective_bits,
+                c.label(),
+                w.effective_bits,
+                w.label()
+            );
         }
-        let layers: Vec<(Option<Codec>, Option<Codec>)> = lp
-            .layers
-            .iter()
-            .map(|c| (Some(c.keys), Some(c.values)))
-            .collect();
         out.push(Config {
-            layers: Some(layers),
+            layers: Some(per_layer(&lp)),
             ..Config::new(format!("plan {budget} per layer"), spec)
+        });
+        out.push(Config {
+            layers: Some(per_layer(&wp)),
+            ..Config::new(format!("plan {budget} per layer, KL-weighted"), spec)
         });
         let pair = (Some(lp.uniform.keys), Some(lp.uniform.values));
         out.push(Config {
