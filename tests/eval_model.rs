@@ -1592,7 +1592,10 @@ fn planned_configurations_build_and_run() {
         ..tiny_config(RopeStyle::Halves)
     };
     let m = Model::random(cfg, 5, false);
-    let held = tokens(96, m.cfg.vocab_size, 8);
+    let held = vec![
+        tokens(96, m.cfg.vocab_size, 8),
+        tokens(96, m.cfg.vocab_size, 11),
+    ];
     let budgets = [3.0, 4.5];
     let configs = plan_configs(&m, &held, None, &budgets, 0, 4).unwrap();
     assert_eq!(configs.len(), 3 * budgets.len());
@@ -1642,17 +1645,21 @@ fn planned_configurations_build_and_run() {
     assert!(kvq_eval::kvq_store::KvqStore::for_model_layers(&m.cfg, spec, short).is_err());
     // A budget below every candidate is an error.
     assert!(plan_configs(&m, &held, None, &[1.0], 0, 4).is_err());
+    // Windows of different lengths, or none, are errors.
+    let ragged = vec![held[0].clone(), held[1][..50].to_vec()];
+    assert!(plan_configs(&m, &ragged, None, &budgets, 0, 4).is_err());
+    assert!(plan_configs(&m, &[], None, &budgets, 0, 4).is_err());
 }
 
 /// The layer weights of `--grid plan`: one per layer, finite and
 /// non-negative, and zero for a layer the probe pair leaves exact (a
-/// window of sinks only).
+/// window of sinks only); two windows side by side are each window on its
+/// own.
 #[test]
 fn layer_weights_measure_each_layer() {
-    use kvq::metrics::{AttnShape, LayerCapture};
+    use kvq::Planner;
     use kvq_eval::kvq_store::CacheSpec;
-    use kvq_eval::ppl::capture_window;
-    use kvq_eval::programs::sweep::layer_weights;
+    use kvq_eval::programs::sweep::{layer_weights, plan_captures, probe_pair};
     let cfg = Config {
         head_dim: 64,
         rope_dim: 64,
@@ -1661,31 +1668,43 @@ fn layer_weights_measure_each_layer() {
         ..tiny_config(RopeStyle::Halves)
     };
     let m = Model::random(cfg, 6, false);
-    let held = tokens(96, m.cfg.vocab_size, 10);
-    let cap = capture_window(&m, &held).unwrap();
-    let shape = AttnShape::new(4, 2, 64).unwrap();
-    let caps = |sinks: usize| -> Vec<LayerCapture> {
-        cap.layers
-            .iter()
-            .enumerate()
-            .map(|(l, c)| {
-                LayerCapture::from_vecs(shape, c.q.clone(), c.k.clone(), c.v.clone())
-                    .unwrap()
-                    .with_sinks(sinks)
-                    .with_pre_rope_keys(c.k_pre_rope.clone(), m.cfg.kvq_rope(l))
-                    .unwrap()
-            })
-            .collect()
-    };
+    let (a, b) = (
+        tokens(96, m.cfg.vocab_size, 10),
+        tokens(96, m.cfg.vocab_size, 12),
+    );
     let spec = |sinks| CacheSpec {
         sinks,
         pre_rope: true,
         ..CacheSpec::FULL
     };
-    let w = layer_weights(&m, &held, None, &caps(0), spec(0)).unwrap();
+    let both = vec![a.clone(), b.clone()];
+    let caps = plan_captures(&m, &both, None, 0).unwrap();
+    assert_eq!(caps[0].shape().n_kv_heads(), 4);
+    let w = layer_weights(&m, &both, None, &caps, spec(0)).unwrap();
     assert_eq!(w.len(), 3);
     assert!(w.iter().all(|x| x.is_finite() && *x >= 0.0), "{w:?}");
     assert!(w.iter().any(|&x| x > 0.0), "{w:?}");
-    let none = layer_weights(&m, &held, None, &caps(96), spec(96)).unwrap();
+    // Side by side, each window's heads are scored on their own: the
+    // stacked output error lies between the two windows' own.
+    let (pk, pv) = probe_pair();
+    let err = |held: &[Vec<u32>]| -> Vec<f64> {
+        let caps = plan_captures(&m, held, None, 0).unwrap();
+        let lp = Planner::new([pk], [pv])
+            .unwrap()
+            .plan_per_layer(&caps, 16.0)
+            .unwrap();
+        lp.layers.iter().map(|c| c.errors.mean.output_rel).collect()
+    };
+    let (ea, eb, e2) = (err(&[a.clone()]), err(&[b.clone()]), err(&both));
+    for l in 0..3 {
+        let (lo, hi) = (ea[l].min(eb[l]), ea[l].max(eb[l]));
+        assert!(
+            e2[l] >= lo * (1.0 - 1e-9) && e2[l] <= hi * (1.0 + 1e-9),
+            "{l}: {e2:?}"
+        );
+        assert!(((ea[l] + eb[l]) / 2.0 - e2[l]).abs() <= 1e-9 * hi, "{l}");
+    }
+    let all_sinks = plan_captures(&m, &both, None, 96).unwrap();
+    let none = layer_weights(&m, &both, None, &all_sinks, spec(96)).unwrap();
     assert_eq!(none, vec![0.0; 3]);
 }

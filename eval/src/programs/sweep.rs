@@ -124,10 +124,15 @@ pub struct Args {
         default_value = "3,3.5,4,4.5"
     )]
     pub budgets: Vec<f64>,
-    /// --grid plan: the corpus of the held-out calibration window (the
-    /// window right after the tokens the sweep scores).
-    #[arg(long, value_name = "D", default_value = "austen")]
-    pub calib: String,
+    /// --grid plan: the corpora of the held-out calibration windows (from
+    /// each, the window right after the tokens the sweep scores).
+    #[arg(
+        long,
+        value_name = "D,D",
+        value_delimiter = ',',
+        default_value = "austen,code"
+    )]
+    pub calib: Vec<String>,
 }
 
 impl Args {
@@ -1069,37 +1074,89 @@ pub fn plan_candidates() -> (Vec<Codec>, Vec<Codec>) {
     (keys, values)
 }
 
-/// [`GridKind::Plan`]: captures a held-out window of `args.calib` (the
-/// `window` tokens after the `n_tokens` the sweep scores), and for every
-/// budget of `args.budgets` asks [`kvq::Planner::plan_per_layer`] (output
-/// error, causal, 32 query positions per layer, sinks as the sweep's, keys
-/// before RoPE) for its per-layer allocation and its best single pair.
-/// Prints each allocation.
+/// [`GridKind::Plan`]: captures a held-out window of each corpus of
+/// `args.calib` (the `window` tokens after the `n_tokens` the sweep scores)
+/// and plans on them ([`plan_configs`]) at every budget of `args.budgets`.
 pub fn plan_grid(
     model: &Model,
     tok: &crate::tokenizer::Tokenizer,
     args: &Args,
     opts: &PplOptions,
 ) -> Result<Vec<Config>, BoxError> {
-    let text = std::fs::read_to_string(crate::assets::corpus(&args.calib))?;
-    let all = super::prefix_tokens(tok, &text, opts.n_tokens + opts.window)?;
-    let held = all
-        .get(opts.n_tokens..opts.n_tokens + opts.window)
-        .ok_or_else(|| {
-            format!(
-                "{}: fewer than {} tokens for a held-out window",
-                args.calib,
-                opts.n_tokens + opts.window
-            )
-        })?;
+    let mut held = Vec::new();
+    for corpus in &args.calib {
+        let text = std::fs::read_to_string(crate::assets::corpus(corpus))?;
+        let all = super::prefix_tokens(tok, &text, opts.n_tokens + opts.window)?;
+        let w = all
+            .get(opts.n_tokens..opts.n_tokens + opts.window)
+            .ok_or_else(|| {
+                format!(
+                    "{corpus}: fewer than {} tokens for a held-out window",
+                    opts.n_tokens + opts.window
+                )
+            })?;
+        held.push(w.to_vec());
+    }
     plan_configs(
         model,
-        held,
+        &held,
         opts.bos,
         &args.budgets,
         args.residual,
         args.sinks,
     )
+}
+
+/// The planner's view of the windows `held` (each as long as the first;
+/// `bos` replacing each one's first token): per layer, one capture whose
+/// heads are every window's heads side by side (attention never mixes
+/// heads, so this is each window scored on its own, combined), keys also
+/// before RoPE, the first `sinks` tokens exact.
+pub fn plan_captures(
+    model: &Model,
+    held: &[Vec<u32>],
+    bos: Option<u32>,
+    sinks: usize,
+) -> Result<Vec<kvq::metrics::LayerCapture>, BoxError> {
+    use kvq::metrics::{AttnShape, LayerCapture as KvqCapture};
+    let cfg = &model.cfg;
+    let Some(len) = held.first().map(Vec::len) else {
+        return Err("no calibration windows".into());
+    };
+    if held.iter().any(|w| w.len() != len) {
+        return Err("calibration windows of different lengths".into());
+    }
+    let caps = held
+        .iter()
+        .map(|w| capture_window(model, &with_bos(w, bos)))
+        .collect::<Result<Vec<_>, _>>()?;
+    if caps.iter().any(|c| !c.has_k_pre_rope()) {
+        return Err("the calibration capture has no pre-RoPE keys".into());
+    }
+    let m = held.len();
+    let shape = AttnShape::new(cfg.n_heads * m, cfg.n_kv_heads * m, cfg.head_dim)?;
+    // Row t of every window, one after the other.
+    let side_by_side = |part: &dyn Fn(&Capture) -> &[f32], width: usize| -> Vec<f32> {
+        let mut out = Vec::with_capacity(len * width * m);
+        for t in 0..len {
+            for c in &caps {
+                out.extend_from_slice(&part(c)[t * width..(t + 1) * width]);
+            }
+        }
+        out
+    };
+    let (qw, kw) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+    (0..cfg.n_layers)
+        .map(|l| {
+            let q = side_by_side(&|c| &c.layers[l].q, qw);
+            let k = side_by_side(&|c| &c.layers[l].k, kw);
+            let v = side_by_side(&|c| &c.layers[l].v, kw);
+            let k_pre = side_by_side(&|c| &c.layers[l].k_pre_rope, kw);
+            Ok(KvqCapture::from_vecs(shape, q, k, v)?
+                .with_sinks(sinks)
+                .with_pre_rope_keys(k_pre, cfg.kvq_rope(l))?)
+        })
+        .collect()
 }
 
 /// The pair [`layer_weights`] quantizes one layer at a time with: 3-bit
@@ -1116,15 +1173,15 @@ pub fn probe_pair() -> (Codec, Codec) {
 }
 
 /// How much each layer's attention error moves the model's predictions:
-/// per layer `l`, the next-token KL (against full precision, over the
-/// window `held`) with only layer `l` quantized by [`probe_pair`], divided
+/// per layer `l`, the next-token KL (against full precision, mean over the
+/// windows `held`) with only layer `l` quantized by [`probe_pair`], divided
 /// by that layer's relative output error under the same pair on
 /// `captures` — the slope of the loss against the planner's objective, so
 /// `Planner::with_layer_weights` of these makes the objective follow the
 /// loss. A layer whose error is zero weighs zero.
 pub fn layer_weights(
     model: &Model,
-    held: &[u32],
+    held: &[Vec<u32>],
     bos: Option<u32>,
     captures: &[kvq::metrics::LayerCapture],
     spec: CacheSpec,
@@ -1135,29 +1192,38 @@ pub fn layer_weights(
         .with_metrics(planner_metrics())
         .with_max_queries(PLAN_QUERIES)
         .plan_per_layer(captures, 16.0)?;
-    let opts = PplOptions {
-        n_tokens: held.len(),
-        window: held.len(),
-        path: EvalPath::Prefill,
-        bos,
-    };
-    let mut reference = Reference::default();
-    let mut full = KvqStore::for_model(&model.cfg, CacheSpec::FULL)?;
     let hooks = &mut Hooks::default();
-    let record = Kl::Record(&mut reference);
-    perplexity_kl(model, held, &mut full, hooks, &opts, record, |_, _| {})?;
-    let mut weights = Vec::with_capacity(n);
-    for l in 0..n {
-        let mut layers = vec![(None, None); n];
-        layers[l] = (Some(pk), Some(pv));
-        let mut store = KvqStore::for_model_layers(&model.cfg, spec, &layers)?;
-        let cmp = Kl::Compare(&reference);
-        let (_, kl) = perplexity_kl(model, held, &mut store, hooks, &opts, cmp, |_, _| {})?;
-        let kl = kl.map_or(0.0, |k| k.mean);
-        let err = probe.layers[l].score;
-        weights.push(if err > 0.0 { kl / err } else { 0.0 });
+    let mut kl = vec![0f64; n];
+    for w in held {
+        let opts = PplOptions {
+            n_tokens: w.len(),
+            window: w.len(),
+            path: EvalPath::Prefill,
+            bos,
+        };
+        let mut reference = Reference::default();
+        let mut full = KvqStore::for_model(&model.cfg, CacheSpec::FULL)?;
+        let record = Kl::Record(&mut reference);
+        perplexity_kl(model, w, &mut full, hooks, &opts, record, |_, _| {})?;
+        for (l, kl) in kl.iter_mut().enumerate() {
+            let mut layers = vec![(None, None); n];
+            layers[l] = (Some(pk), Some(pv));
+            let mut store = KvqStore::for_model_layers(&model.cfg, spec, &layers)?;
+            let cmp = Kl::Compare(&reference);
+            let (_, r) = perplexity_kl(model, w, &mut store, hooks, &opts, cmp, |_, _| {})?;
+            *kl += r.map_or(0.0, |k| k.mean) / held.len() as f64;
+        }
     }
-    Ok(weights)
+    Ok((0..n)
+        .map(|l| {
+            let err = probe.layers[l].score;
+            if err > 0.0 {
+                kl[l] / err
+            } else {
+                0.0
+            }
+        })
+        .collect())
 }
 
 /// Query positions per layer the plan grid's planner scores.
@@ -1168,37 +1234,23 @@ fn planner_metrics() -> kvq::MetricsConfig {
     kvq::MetricsConfig::new().with_causal(0)
 }
 
-/// The configurations of [`plan_grid`] planned on the window `held`
-/// (`bos` replacing its first token, as the sweep's windows do), for
+/// The configurations of [`plan_grid`] planned on the windows `held`
+/// ([`plan_captures`]; `bos` replacing each one's first token, as the
+/// sweep's windows do), for
 /// caches with `residual` and `sinks`: per budget, the planner's per-layer
 /// allocation, the same with its layers weighted by [`layer_weights`], and
 /// its best single pair.
 pub fn plan_configs(
     model: &Model,
-    held: &[u32],
+    held: &[Vec<u32>],
     bos: Option<u32>,
     budgets: &[f64],
     residual: usize,
     sinks: usize,
 ) -> Result<Vec<Config>, BoxError> {
-    use kvq::metrics::{AttnShape, LayerCapture as KvqCapture};
     let cfg = &model.cfg;
     let t = Instant::now();
-    let cap = capture_window(model, &with_bos(held, bos))?;
-    if !cap.has_k_pre_rope() {
-        return Err("the calibration capture has no pre-RoPE keys".into());
-    }
-    let shape = AttnShape::new(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)?;
-    let captures = cap
-        .layers
-        .iter()
-        .enumerate()
-        .map(|(l, c)| {
-            KvqCapture::from_vecs(shape, c.q.clone(), c.k.clone(), c.v.clone())?
-                .with_sinks(sinks)
-                .with_pre_rope_keys(c.k_pre_rope.clone(), cfg.kvq_rope(l))
-        })
-        .collect::<Result<Vec<_>, kvq::Error>>()?;
+    let captures = plan_captures(model, held, bos, sinks)?;
     let (keys, values) = plan_candidates();
     let planner = kvq::Planner::new(keys, values)?
         .with_metrics(planner_metrics())
