@@ -1695,7 +1695,11 @@ fn layer_weights_measure_each_layer() {
             .unwrap();
         lp.layers.iter().map(|c| c.errors.mean.output_rel).collect()
     };
-    let (ea, eb, e2) = (err(&[a.clone()]), err(&[b.clone()]), err(&both));
+    let (ea, eb, e2) = (
+        err(std::slice::from_ref(&a)),
+        err(std::slice::from_ref(&b)),
+        err(&both),
+    );
     for l in 0..3 {
         let (lo, hi) = (ea[l].min(eb[l]), ea[l].max(eb[l]));
         assert!(
