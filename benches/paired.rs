@@ -43,8 +43,10 @@
 //! Beside the kernel loop, the `cache …` cases call `LayerCache::attend`
 //! on a cache built by `extend` (what an engine calls; its own two threads
 //! across heads), KIVI-4 without and with a residual window and sinks,
-//! rotated 4-bit per-token K/V, and the codebooks: `iq4_nl`, rotated
-//! Lloyd-Max at 4 and 3 bits.
+//! with keys before RoPE, with rotated values and with both rotated;
+//! 4-bit per-token K/V plain and rotated; the codebooks: `iq4_nl`, rotated
+//! Lloyd-Max at 4 and 3 bits; and `cache 4.5b-plan`, the layer the planner
+//! picks most at 4.5 bits (`docs/RESULTS.md`, "Planned caches").
 //!
 //! Same shape as criterion's `attend/hd128/q{N}`: 8 KV heads, head_dim
 //! 128, two threads across heads, each case's layer copied until the

@@ -384,6 +384,44 @@ pub fn cache_cases<'a>(
             }),
         ),
         (
+            // The same per-token K/V unrotated: what the rotation costs.
+            "cache 4b-pt32".into(),
+            Box::new(move || build(base().keys(pt).values(pt))),
+        ),
+        (
+            // KIVI-4 with rotated values (per-channel keys as they are).
+            "cache 4b-kivi32-HV".into(),
+            Box::new(move || build(base().keys(pc).value_codec(kvq::Codec::hadamard(pt)))),
+        ),
+        (
+            // KIVI-4 with keys and values rotated.
+            "cache 4b-H-kivi32".into(),
+            Box::new(move || {
+                build(
+                    base()
+                        .key_codec(kvq::Codec::hadamard(pc))
+                        .value_codec(kvq::Codec::hadamard(pt)),
+                )
+            }),
+        ),
+        (
+            // The layer the planner picks most at 4.5 bits: 4-bit keys
+            // before RoPE in blocks of 128, rotated 4-bit Lloyd-Max values
+            // in groups of 64, 4 sinks.
+            "cache 4.5b-plan".into(),
+            Box::new(move || {
+                let rope = kvq::Rope::new(500_000.0, hd, kvq::RopeStyle::Halves);
+                let k = QuantScheme::new(4, Axis::PerChannel, Group::Size(128)).unwrap();
+                build(
+                    base()
+                        .keys(k)
+                        .value_codec(gauss_in(4, 64))
+                        .pre_rope(rope)
+                        .sinks(4),
+                )
+            }),
+        ),
+        (
             "cache 4b-H-gauss".into(),
             Box::new(move || build(base().key_codec(gauss(4)).value_codec(gauss(4)))),
         ),
@@ -398,7 +436,13 @@ pub fn cache_cases<'a>(
 
 /// Lloyd-Max levels at `bits` on symmetric per-token groups of 32, rotated.
 fn gauss(bits: u8) -> kvq::Codec {
-    let s = QuantScheme::new(bits, Axis::PerToken, Group::Size(32))
+    gauss_in(bits, 32)
+}
+
+/// Lloyd-Max levels at `bits` on symmetric per-token groups of `group`,
+/// rotated.
+fn gauss_in(bits: u8, group: usize) -> kvq::Codec {
+    let s = QuantScheme::new(bits, Axis::PerToken, Group::Size(group))
         .and_then(|s| s.with_mode(kvq::Mode::Symmetric))
         .expect("a valid scheme");
     kvq::Codec::codebook(s, kvq::Levels::Gauss).with_rotation(kvq::Rotation::Hadamard)
