@@ -10,7 +10,7 @@
 //! post-RoPE as usual.
 
 use super::*;
-use crate::kernels::rope::{RopeRows, ROPE_LO as LO};
+use crate::kernels::rope::{RopeRows, ROPE_LO as LO, ROPE_SPILL};
 
 /// Which channels of a head RoPE pairs up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -215,7 +215,7 @@ impl Rope {
 }
 
 /// `cos`/`sin` of every position's angles, as the product of a fine table
-/// (positions `0..256`) and a coarse one (multiples of 256, grown with the
+/// (positions `0..256`, and a few past it for the kernels) and a coarse one (multiples of 256, grown with the
 /// cache): `cos(A + B) = cos A·cos B − sin A·sin B`. Both tables hold `f32`
 /// roundings of angles computed in `f64`, so a position's rotation is
 /// within a few `f32` ulps of the exact one at any context length (an
@@ -227,7 +227,7 @@ impl Rope {
 pub(super) struct RopeTable {
     rope: Rope,
     inv_freq: Vec<f64>,
-    /// `[LO, lanes]`.
+    /// `[LO + ROPE_SPILL, lanes]`.
     lo: Arc<(Vec<f32>, Vec<f32>)>,
     /// `[n, lanes]` for positions `0, LO, 2·LO, …`.
     hi: (Vec<f32>, Vec<f32>),
@@ -238,7 +238,7 @@ impl RopeTable {
         let inv_freq = rope.inv_freq();
         let adjacent = rope.style == RopeStyle::Adjacent;
         let mut lo = (Vec::new(), Vec::new());
-        for p in 0..LO {
+        for p in 0..LO + ROPE_SPILL {
             Self::push(&inv_freq, adjacent, p, &mut lo);
         }
         RopeTable {

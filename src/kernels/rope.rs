@@ -5,15 +5,23 @@
 //! uniform kernels' unfused path with a rotation between unpack and dot.
 //!
 //! The rotation of position `p` comes from two tables of `cos` and
-//! (signed) `sin` per lane ([`RopeRows`]): `C = C_hi·C_lo − S_hi·S_lo`,
-//! `S = S_hi·C_lo + C_hi·S_lo` with `hi` the multiple of
-//! [`ROPE_LO`] at or below `p` and `lo` the rest.
+//! (signed) `sin` per lane ([`RopeRows`]): `R(p) = R(hi)·R(lo)` with `hi`
+//! a multiple of [`ROPE_LO`] and `lo = p − hi`. The kernel never forms
+//! `R(p)`: as `q·R(hi)·R(lo)·k = (R(hi)ᵀ·q)·(R(lo)·k)`, it turns the
+//! queries back by `R(hi)` once per [`ROPE_LO`] positions and each key by
+//! `R(lo)` alone, `hi` the coarse row at or below the tile's first token
+//! (so `lo` reaches past [`ROPE_LO`] by less than a tile: the fine table
+//! has [`ROPE_SPILL`] rows more).
 
 use crate::simd::{Backend, Kernel};
 use crate::store::PackedHead;
 
 /// Positions per coarse-table entry.
 pub(crate) const ROPE_LO: usize = 256;
+
+/// Rows of the fine table past [`ROPE_LO`]: a tile (at most 64 tokens)
+/// that starts below a coarse row's end may reach past it.
+pub(crate) const ROPE_SPILL: usize = 64;
 
 /// The rotation tables of one layer, `lanes` floats per row.
 ///
@@ -25,7 +33,7 @@ pub(crate) const ROPE_LO: usize = 256;
 pub(crate) struct RopeRows<'a> {
     pub(crate) adjacent: bool,
     pub(crate) lanes: usize,
-    /// `(cos, sin)` rows of positions `0..ROPE_LO`.
+    /// `(cos, sin)` rows of positions `0..ROPE_LO + ROPE_SPILL`.
     pub(crate) lo: (&'a [f32], &'a [f32]),
     /// `(cos, sin)` rows of positions `0, ROPE_LO, 2·ROPE_LO, …`.
     pub(crate) hi: (&'a [f32], &'a [f32]),
@@ -54,7 +62,7 @@ pub(crate) fn rope_scores_on(
     );
     let rows = |n: usize| n.div_ceil(ROPE_LO);
     assert!(
-        rope.lo.0.len() >= ROPE_LO * rope.lanes
+        rope.lo.0.len() >= (ROPE_LO + ROPE_SPILL) * rope.lanes
             && rope.lo.1.len() == rope.lo.0.len()
             && rope.hi.0.len() >= rows(p0 + t) * rope.lanes
             && rope.hi.1.len() == rope.hi.0.len(),

@@ -2,7 +2,7 @@
 //! a tile, turn it to its positions, dot it with every query.
 
 use super::*;
-use crate::kernels::rope::{RopeRows, ROPE_LO};
+use crate::kernels::rope::{RopeRows, ROPE_LO, ROPE_SPILL};
 
 /// Whether the SIMD kernel takes this head and rotation: whole vectors per
 /// head, and per rotated half (pairs `(i, i + dims/2)`) or per rotated
@@ -13,41 +13,38 @@ pub(crate) fn rope_takes<S: Simd>(head: &PackedHead<'_>, rope: &RopeRows<'_>) ->
     hd.is_multiple_of(S::L) && rope.lanes > 0 && rope.lanes.is_multiple_of(S::L) && hd <= 1024
 }
 
-/// Turn the tile's `n` keys (vector-major scratch, `nch` vectors) to
-/// positions `p0..p0 + n`.
+/// Turn the tile's `n` keys (vector-major scratch, `nch` vectors) by the
+/// fine rows `lo0..lo0 + n` (the offsets of their positions from the
+/// coarse row the queries were turned back by).
 ///
 /// # Safety
-/// `scr` holds `nch·T·L` floats; `rope_takes` holds; the tables cover
-/// `p0 + n − 1`.
+/// `scr` holds `nch·T·L` floats; `rope_takes` holds;
+/// `lo0 + n ≤ ROPE_LO + ROPE_SPILL`.
 #[inline(always)]
 unsafe fn rope_tile<S: Simd>(
     s: S,
     scr: *mut f32,
     n: usize,
     rope: &RopeRows<'_>,
-    p0: usize,
+    lo0: usize,
     swap: S::I,
 ) {
     let lv = rope.lanes / S::L;
     let stride = S::T * S::L;
     // Locals, not loads through `rope` in the loop: the stores to `scr`
     // could alias the tables for all the compiler knows.
-    let (hic, his) = (rope.hi.0.as_ptr(), rope.hi.1.as_ptr());
     let (loc, los) = (rope.lo.0.as_ptr(), rope.lo.1.as_ptr());
     let (lanes, adjacent) = (rope.lanes, rope.adjacent);
     for tt in 0..n {
-        let p = p0 + tt;
-        let (h, l) = ((p / ROPE_LO) * lanes, (p % ROPE_LO) * lanes);
+        let l = (lo0 + tt) * lanes;
         for j in 0..lv {
-            // SAFETY: rows `h` and `l` hold `lanes = lv·L` floats (the
-            // tables cover `p`); vectors `j` and `j + lv` (halves) or `j`
-            // (adjacent) are below `nch` (`lanes ≤ hd`), token `tt < T`.
+            // SAFETY: row `l` holds `lanes = lv·L` floats (`lo0 + tt` is
+            // below the fine table's rows); vectors `j` and `j + lv`
+            // (halves) or `j` (adjacent) are below `nch` (`lanes ≤ hd`),
+            // token `tt < T`.
             unsafe {
                 let o = j * S::L;
-                let (hc, hs) = (s.load(hic.add(h + o)), s.load(his.add(h + o)));
-                let (lc, ls) = (s.load(loc.add(l + o)), s.load(los.add(l + o)));
-                let c = s.sub(s.mul(hc, lc), s.mul(hs, ls));
-                let sn = s.fma(hs, lc, s.mul(hc, ls));
+                let (c, sn) = (s.load(loc.add(l + o)), s.load(los.add(l + o)));
                 let pa = scr.add(j * stride + tt * S::L);
                 let a = s.load(pa);
                 if adjacent {
@@ -97,6 +94,8 @@ pub(crate) unsafe fn rope_scores<S: Simd>(
         p0,
         swap,
         q,
+        qr: vec![0f32; q.len()],
+        qr_hi: usize::MAX,
         nq,
         hd,
         nch: g.nch,
@@ -154,6 +153,9 @@ struct RopeWork<'a, 'r, S: Simd> {
     p0: usize,
     swap: S::I,
     q: &'a [f32],
+    /// The queries turned back by coarse row `qr_hi` (`R(hi)ᵀ·q`).
+    qr: Vec<f32>,
+    qr_hi: usize,
     nq: usize,
     hd: usize,
     nch: usize,
@@ -161,16 +163,56 @@ struct RopeWork<'a, 'r, S: Simd> {
     out: &'a mut [f32],
 }
 
+impl<S: Simd> RopeWork<'_, '_, S> {
+    /// `qr = R(hi·ROPE_LO)ᵀ·q` for every query (the rotary lanes turned
+    /// back, the rest copied).
+    fn turn_queries_back(&mut self, hi: usize) {
+        let (r, lanes, hd) = (self.rope, self.rope.lanes, self.hd);
+        let (c, sn) = (
+            &r.hi.0[hi * lanes..(hi + 1) * lanes],
+            &r.hi.1[hi * lanes..(hi + 1) * lanes],
+        );
+        for (dst, src) in self.qr.chunks_exact_mut(hd).zip(self.q.chunks_exact(hd)) {
+            dst.copy_from_slice(src);
+            if r.adjacent {
+                // Lane `k` of a pair `(a, b)`: `a' = a·C − b·S` with the
+                // first channel's `S` the negated sine, `b' = b·C − a·S`.
+                for k in (0..lanes).step_by(2) {
+                    let (a, b) = (src[k], src[k + 1]);
+                    dst[k] = a * c[k] - b * sn[k];
+                    dst[k + 1] = b * c[k + 1] - a * sn[k + 1];
+                }
+            } else {
+                for k in 0..lanes {
+                    let (a, b) = (src[k], src[k + lanes]);
+                    dst[k] = a * c[k] + b * sn[k];
+                    dst[k + lanes] = b * c[k] - a * sn[k];
+                }
+            }
+        }
+        self.qr_hi = hi;
+    }
+}
+
 impl<S: Simd> TileWork<S> for RopeWork<'_, '_, S> {
     #[inline(always)]
     unsafe fn tile(&mut self, s: S, t0: usize, n: usize, scr: *mut f32) {
+        let p = self.p0 + t0;
+        let hi = p / ROPE_LO;
+        if hi != self.qr_hi {
+            self.turn_queries_back(hi);
+        }
+        let lo0 = p - hi * ROPE_LO;
+        debug_assert!(lo0 + n <= ROPE_LO + ROPE_SPILL && n <= ROPE_SPILL);
         // SAFETY: the scratch holds the tile's `n ≤ T` rows (the unpack
-        // zeroes the rest); query `i` holds `hd = hdp` floats
-        // (`rope_takes`); the tables cover `p0 + t0 + n − 1` (the caller's).
+        // zeroes the rest); `lo0 < ROPE_LO` and `n ≤ T ≤ ROPE_SPILL`, so
+        // the fine rows exist (`rope_scores_on`'s check); query `i` of `qr`
+        // holds `hd = hdp` floats (`rope_takes`); the coarse table covers
+        // the tile (the caller's).
         unsafe {
-            rope_tile(s, scr, n, self.rope, self.p0 + t0, self.swap);
+            rope_tile(s, scr, n, self.rope, lo0, self.swap);
             for i in 0..self.nq {
-                let r = dot_tile(s, scr, self.nch, self.q.as_ptr().add(i * self.hd));
+                let r = dot_tile(s, scr, self.nch, self.qr.as_ptr().add(i * self.hd));
                 let o = i * self.t_all + t0;
                 store_lanes(s, r, &mut self.out[o..o + n]);
             }
