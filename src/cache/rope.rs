@@ -215,8 +215,9 @@ impl Rope {
 }
 
 /// `cos`/`sin` of every position's angles, as the product of a fine table
-/// (positions `0..256`, and a few past it for the kernels) and a coarse one (multiples of 256, grown with the
-/// cache): `cos(A + B) = cos A·cos B − sin A·sin B`. Both tables hold `f32`
+/// (positions `0..256`, and `ROPE_SPILL` past them for the kernels) and
+/// a coarse one (multiples of 256, grown with the cache):
+/// `cos(A + B) = cos A·cos B − sin A·sin B`. Both tables hold `f32`
 /// roundings of angles computed in `f64`, so a position's rotation is
 /// within a few `f32` ulps of the exact one at any context length (an
 /// angle `p·f` formed in `f32` loses `p·2^−24` radians). Rows have one

@@ -94,7 +94,7 @@ pub(crate) unsafe fn rope_scores<S: Simd>(
         p0,
         swap,
         q,
-        qr: vec![0f32; q.len()],
+        qr: Buf::new(q.len()),
         qr_hi: usize::MAX,
         nq,
         hd,
@@ -154,7 +154,7 @@ struct RopeWork<'a, 'r, S: Simd> {
     swap: S::I,
     q: &'a [f32],
     /// The queries turned back by coarse row `qr_hi` (`R(hi)ᵀ·q`).
-    qr: Vec<f32>,
+    qr: Buf,
     qr_hi: usize,
     nq: usize,
     hd: usize,
@@ -172,7 +172,12 @@ impl<S: Simd> RopeWork<'_, '_, S> {
             &r.hi.0[hi * lanes..(hi + 1) * lanes],
             &r.hi.1[hi * lanes..(hi + 1) * lanes],
         );
-        for (dst, src) in self.qr.chunks_exact_mut(hd).zip(self.q.chunks_exact(hd)) {
+        for (dst, src) in self
+            .qr
+            .m()
+            .chunks_exact_mut(hd)
+            .zip(self.q.chunks_exact(hd))
+        {
             dst.copy_from_slice(src);
             if r.adjacent {
                 // Lane `k` of a pair `(a, b)`: `a' = a·C − b·S` with the
@@ -212,7 +217,7 @@ impl<S: Simd> TileWork<S> for RopeWork<'_, '_, S> {
         unsafe {
             rope_tile(s, scr, n, self.rope, lo0, self.swap);
             for i in 0..self.nq {
-                let r = dot_tile(s, scr, self.nch, self.qr.as_ptr().add(i * self.hd));
+                let r = dot_tile(s, scr, self.nch, self.qr.s().as_ptr().add(i * self.hd));
                 let o = i * self.t_all + t0;
                 store_lanes(s, r, &mut self.out[o..o + n]);
             }
