@@ -12,7 +12,7 @@
 //! ```
 //!
 //! Grids ([`GridKind`]): `default` (17 caches), `full` (bits 2–8 × axis ×
-//! group), `split` (the K/V bit split at equal budgets, 3–8 effective
+//! group, and every other codec once), `split` (the K/V bit split at equal budgets, 3–8 effective
 //! bits), `ladder` (granularity at 4 bits), `trap` (keys alone quantized
 //! after `k_proj`, after `k_norm` and in the cache, after RoPE: the
 //! measurement-point trap of a model with `k_norm`), `codebook` (the
@@ -162,8 +162,10 @@ impl Args {
 pub enum GridKind {
     /// 17 caches: the main schemes, presets and rotations.
     Default,
-    /// Bits {2,3,4,6,8}² × {per-token 32, per-token head, KIVI}, and
-    /// per-token vector groups at 2–4 bits.
+    /// Bits {2,3,4,6,8}² × {per-token 32, per-token head, KIVI}, per-token
+    /// vector groups at 2–4 bits, and every other codec: rotated per-token
+    /// groups at each width, KIVI with keys before RoPE at 2–4 bits, the
+    /// codebooks (`iq4_nl`, NF4, rotated Lloyd-Max at 2–4 bits) and fp8.
     Full,
     /// The K/V bit split at equal budgets: per-token groups of 32, average
     /// bits 2–7 split as (b−1, b+1), (b, b), (b+1, b−1).
@@ -658,6 +660,77 @@ fn full_grid(
             Some(pt(b, Group::Vector)),
             Some(pt(b, Group::Vector)),
         ));
+    }
+    // Every other codec: each per-token width rotated, KIVI with keys
+    // before RoPE, the codebooks (rotated where they are meant to be) and
+    // fp8, the same codec on both tensors.
+    for b in [2u8, 3, 4, 6, 8] {
+        let mut c = mk(
+            format!("H·K{b}/V{b} pt32"),
+            Some(pt(b, Group::Size(32))),
+            Some(pt(b, Group::Size(32))),
+        );
+        c.spec.key_rotation = Rotation::Hadamard;
+        c.spec.value_rotation = Rotation::Hadamard;
+        g.push(c);
+    }
+    for b in [2u8, 3, 4] {
+        let mut c = mk(
+            format!("K{b}/V{b} KIVI pc32/pt32 @pre-RoPE"),
+            Some(pc(b, Group::Size(32))),
+            Some(pt(b, Group::Size(32))),
+        );
+        c.spec.pre_rope = true;
+        g.push(c);
+    }
+    let sym = |b, grp| {
+        pt(b, grp)
+            .with_mode(kvq::Mode::Symmetric)
+            .expect("symmetric grid schemes are valid")
+    };
+    let mut books = vec![
+        (
+            "K/V iq4_nl".to_owned(),
+            kvq::presets::q4_0(),
+            Levels::Iq4Nl,
+            false,
+        ),
+        (
+            "K/V nf4".to_owned(),
+            sym(4, Group::Size(32)),
+            Levels::Nf4,
+            false,
+        ),
+        (
+            "K/V e4m3 pthead".to_owned(),
+            sym(8, Group::Head),
+            Levels::E4m3,
+            false,
+        ),
+        (
+            "K/V e5m2 pthead".to_owned(),
+            sym(8, Group::Head),
+            Levels::E5m2,
+            false,
+        ),
+    ];
+    for b in [2u8, 3, 4] {
+        books.push((
+            format!("H·K/V gauss{b}"),
+            sym(b, Group::Size(32)),
+            Levels::Gauss,
+            true,
+        ));
+    }
+    for (name, scheme, levels, rotate) in books {
+        let mut c = mk(name, Some(scheme), Some(scheme));
+        c.spec.key_levels = Some(levels);
+        c.spec.value_levels = Some(levels);
+        if rotate {
+            c.spec.key_rotation = Rotation::Hadamard;
+            c.spec.value_rotation = Rotation::Hadamard;
+        }
+        g.push(c);
     }
     g
 }
