@@ -12,8 +12,8 @@
 //! ```
 //!
 //! Grids ([`GridKind`]): `default` (17 caches), `full` (bits 2–8 × axis ×
-//! group, and every other codec once), `split` (the K/V bit split at equal budgets, 3–8 effective
-//! bits), `ladder` (granularity at 4 bits), `trap` (keys alone quantized
+//! group, and every other codec once), `split` (the K/V bit split at
+//! equal budgets, 3–8 effective bits), `ladder` (granularity at 4 bits), `trap` (keys alone quantized
 //! after `k_proj`, after `k_norm` and in the cache, after RoPE: the
 //! measurement-point trap of a model with `k_norm`), `codebook` (the
 //! codebook codecs — `iq4_nl`, NF4, Lloyd-Max, fp8 — plain and rotated, beside
