@@ -307,6 +307,26 @@ fn s(bits: u8, axis: Axis, group: Group) -> QuantScheme {
     QuantScheme::new(bits, axis, group).expect("grid schemes are valid")
 }
 
+/// The symmetric per-token scheme a codebook takes.
+fn sym(bits: u8, group: Group) -> QuantScheme {
+    s(bits, Axis::PerToken, group)
+        .with_mode(kvq::Mode::Symmetric)
+        .expect("symmetric grid schemes are valid")
+}
+
+/// Rotated Lloyd-Max levels at `bits` on per-token groups of `group`.
+fn gauss(bits: u8, group: usize) -> Codec {
+    Codec::codebook(sym(bits, Group::Size(group)), Levels::Gauss).with_rotation(Rotation::Hadamard)
+}
+
+/// `c` with keys and values rotated, named `H·…`.
+fn rotated(mut c: Config) -> Config {
+    c.name = format!("H·{}", c.name);
+    c.spec.key_rotation = Rotation::Hadamard;
+    c.spec.value_rotation = Rotation::Hadamard;
+    c
+}
+
 /// The grid: the full-precision baseline first, then the caches of `kind`
 /// ([`GridKind`]); every cache with `residual` and `sinks`.
 pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
@@ -321,12 +341,6 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
                 ..CacheSpec::FULL
             },
         )
-    };
-    let rotated = |mut c: Config| {
-        c.name = format!("H·{}", c.name);
-        c.spec.key_rotation = Rotation::Hadamard;
-        c.spec.value_rotation = Rotation::Hadamard;
-        c
     };
     // Per-channel keys as they are, rotated per-token values.
     let rotated_values = |mut c: Config| {
@@ -421,11 +435,7 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
         }
         GridKind::Codebook => {
             let g32 = Group::Size(32);
-            let sym = |b| {
-                pt(b, g32)
-                    .with_mode(kvq::Mode::Symmetric)
-                    .expect("symmetric grid schemes are valid")
-            };
+            let sym32 = |b| sym(b, g32);
             // (name, key scheme and levels, value scheme and levels)
             let cb =
                 |name: &str, k: (QuantScheme, Option<Levels>), v: (QuantScheme, Option<Levels>)| {
@@ -436,11 +446,11 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
                 };
             let q4_0 = kvq::presets::q4_0();
             let iq4 = (q4_0, Some(Levels::Iq4Nl));
-            let nf4 = (sym(4), Some(Levels::Nf4));
+            let nf4 = (sym32(4), Some(Levels::Nf4));
             let (ga4, ga3, ga2) = (
-                (sym(4), Some(Levels::Gauss)),
-                (sym(3), Some(Levels::Gauss)),
-                (sym(2), Some(Levels::Gauss)),
+                (sym32(4), Some(Levels::Gauss)),
+                (sym32(3), Some(Levels::Gauss)),
+                (sym32(2), Some(Levels::Gauss)),
             );
             // Uniform references: 5.0 bits, 4.5 (ggml q4_0), 4.0.
             g.push(mk(
@@ -471,9 +481,7 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
             g.push(rotated(cb("K gauss3/V gauss2", ga3, ga2)));
             g.push(rotated(cb("K/V gauss2", ga2, ga2)));
             // fp8 with a scale per head and token (8.125 bits at head dim 128).
-            let head8 = pt(8, Group::Head)
-                .with_mode(kvq::Mode::Symmetric)
-                .expect("symmetric grid schemes are valid");
+            let head8 = sym(8, Group::Head);
             for (name, l) in [("e4m3", Levels::E4m3), ("e5m2", Levels::E5m2)] {
                 g.push(cb(
                     &format!("K/V {name} pthead"),
@@ -490,12 +498,7 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
             return g;
         }
         GridKind::Budget => {
-            let gauss = |b, grp| {
-                let v = pt(b, grp)
-                    .with_mode(kvq::Mode::Symmetric)
-                    .expect("symmetric grid schemes are valid");
-                (v, Some(Levels::Gauss))
-            };
+            let gauss = |b, grp| (sym(b, grp), Some(Levels::Gauss));
             g.push(mk(
                 "K4/V4 KIVI pc32/pt32".into(),
                 Some(pc(4, Group::Size(32))),
@@ -665,14 +668,11 @@ fn full_grid(
     // before RoPE, the codebooks (rotated where they are meant to be) and
     // fp8, the same codec on both tensors.
     for b in [2u8, 3, 4, 6, 8] {
-        let mut c = mk(
-            format!("H·K{b}/V{b} pt32"),
+        g.push(rotated(mk(
+            format!("K{b}/V{b} pt32"),
             Some(pt(b, Group::Size(32))),
             Some(pt(b, Group::Size(32))),
-        );
-        c.spec.key_rotation = Rotation::Hadamard;
-        c.spec.value_rotation = Rotation::Hadamard;
-        g.push(c);
+        )));
     }
     for b in [2u8, 3, 4] {
         let mut c = mk(
@@ -683,11 +683,6 @@ fn full_grid(
         c.spec.pre_rope = true;
         g.push(c);
     }
-    let sym = |b, grp| {
-        pt(b, grp)
-            .with_mode(kvq::Mode::Symmetric)
-            .expect("symmetric grid schemes are valid")
-    };
     let mut books = vec![
         (
             "K/V iq4_nl".to_owned(),
@@ -716,7 +711,7 @@ fn full_grid(
     ];
     for b in [2u8, 3, 4] {
         books.push((
-            format!("H·K/V gauss{b}"),
+            format!("K/V gauss{b}"),
             sym(b, Group::Size(32)),
             Levels::Gauss,
             true,
@@ -726,11 +721,7 @@ fn full_grid(
         let mut c = mk(name, Some(scheme), Some(scheme));
         c.spec.key_levels = Some(levels);
         c.spec.value_levels = Some(levels);
-        if rotate {
-            c.spec.key_rotation = Rotation::Hadamard;
-            c.spec.value_rotation = Rotation::Hadamard;
-        }
-        g.push(c);
+        g.push(if rotate { rotated(c) } else { c });
     }
     g
 }
@@ -1135,10 +1126,7 @@ pub fn plan_candidates() -> (Vec<Codec>, Vec<Codec>) {
     let mut values = Vec::new();
     for g in [32, 64] {
         for b in [2u8, 3, 4] {
-            let sym = s(b, Axis::PerToken, Group::Size(g))
-                .with_mode(kvq::Mode::Symmetric)
-                .expect("symmetric grid schemes are valid");
-            values.push(Codec::codebook(sym, Levels::Gauss).with_rotation(Rotation::Hadamard));
+            values.push(gauss(b, g));
         }
         for b in [5u8, 6, 8] {
             values.push(Codec::hadamard(s(b, Axis::PerToken, Group::Size(g))));
@@ -1236,12 +1224,9 @@ pub fn plan_captures(
 /// per-channel keys in blocks of 64, rotated 3-bit Lloyd-Max values in
 /// groups of 32 (about the middle of the budgets planned).
 pub fn probe_pair() -> (Codec, Codec) {
-    let v = s(3, Axis::PerToken, Group::Size(32))
-        .with_mode(kvq::Mode::Symmetric)
-        .expect("symmetric grid schemes are valid");
     (
         Codec::uniform(s(3, Axis::PerChannel, Group::Size(64))),
-        Codec::codebook(v, Levels::Gauss).with_rotation(Rotation::Hadamard),
+        gauss(3, 32),
     )
 }
 
