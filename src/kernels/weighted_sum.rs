@@ -44,10 +44,9 @@ pub fn weighted_sum_on(
 /// `δ = max_t |w_t| / 127`, `w̃_t = round(w_t/δ)`, and multiplied into the
 /// unsigned codes with `vpdpbusd` four tokens at a time (exact `i32`
 /// sums): `out_c += δ·Σ_t w̃_t·code_tc + Σ_t p_t·zero_tg` (the zero sums
-/// exact in `f32`). About half the work per token of the exact kernel
-/// with one query, and about a quarter of its multiply-adds per query:
-/// with several queries (GQA) each tile's rows are interleaved once and
-/// multiplied into every query's weights.
+/// exact in `f32`). About half the work per token of the exact kernel. One
+/// query per call: with several (GQA), this is the exact kernel (see
+/// [`weighted_sum_i8_is_int8`]).
 ///
 /// **Extra error**, against the exact [`weighted_sum`]: the rounding adds
 /// at most `δ/2` per token and group, so per channel
@@ -92,20 +91,22 @@ pub fn weighted_sum_i8_on(
 }
 
 /// Whether [`weighted_sum_i8_on`] runs the int8 (VNNI) kernel for this
-/// head, `n_q` queries, this backend and CPU, rather than the exact one
-/// (any number of queries takes it; `n_q` is kept for callers that ask
-/// per call).
+/// head, `n_q` queries, this backend and CPU, rather than the exact one.
+/// Only one query per call takes the int8 kernel: several queries (GQA)
+/// share each unpacked row in the exact fused kernel, which is faster
+/// for them than one int8 pass per query (measured in
+/// `docs/PERFORMANCE.md`).
 pub fn weighted_sum_i8_is_int8(backend: Backend, head: &PackedHead<'_>, n_q: usize) -> bool {
-    let _ = n_q;
     #[cfg(target_arch = "x86_64")]
     {
-        backend == Backend::Avx512
+        n_q == 1
+            && backend == Backend::Avx512
             && super::x86_64::Avx512Vnni::takes_ws(head)
             && super::x86_64::Avx512Vnni::new().is_some()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (backend, head);
+        let _ = (backend, head, n_q);
         false
     }
 }

@@ -172,26 +172,15 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
     }
     let codes = head.codes().as_ptr();
     let params = head.params();
-    // Per tile, shared by the queries: each token's widened scales and
-    // zeros (`pbuf`, 2 vectors per token) and the four-token interleaved
-    // code vectors (`xbuf`, `4·nv·nf ≤ 16` vectors per four tokens, the
-    // 4-bit fields already masked). Per query: its weights (`wbuf`), its
-    // `f32` sums (`facc`, 16 vectors) and zero sums (`zbuf`).
-    let mut pbuf = Buf::new(16 * 2 * 16);
-    let mut xbuf = Buf::new(4 * 16 * 16);
     let mut wbuf = Buf::new(16 * 16);
-    let mut facc = Buf::new(nq * 16 * 16);
-    let mut zbuf = Buf::new(nq * 16);
+    let mut facc = Buf::new(16 * 16 * 4);
     let mut zs = [0f32; 16];
     let mut lanes = [0i32; 16];
-    let slots = nv * nf;
     // SAFETY: the features of `entry_ws`; every pointer below stays in its
     // buffer: rows `t0 + tt` with `tt < n` (or row `t0`) of `codes`
     // (check_head), 64-byte chunks `v < nv` of a row, the `gpr ≤ 16`
-    // unmasked params of rows `t0 + tt` with `tt < n` (check_head), `pbuf`
-    // 32 vectors, `xbuf` 4 groups of `4·slots ≤ 16` vectors, `wbuf` 16 rows
-    // of 16 floats, `facc` 16 vectors per query, `zbuf` one per query, `p`
-    // `nq·t_all` floats (check_head).
+    // unmasked params of rows `t0 + tt` with `tt < n` (check_head), `wbuf`
+    // 16 rows of 16 floats, `facc` `4·nv·nf ≤ 16` vectors.
     unsafe {
         // Lane `4j + m` of code vectors of chunk `v`, field `f`: its group.
         let mut gidx = [[_mm512_setzero_si512(); 2]; 4];
@@ -210,78 +199,33 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
             _mm512_set1_epi32(0xFFFF),
             _mm512_set1_epi32(0xFF_FFFF),
         );
-        for k in 0..nq * 16 {
-            s.store(facc.m().as_mut_ptr().add(16 * k), s.zero());
-        }
         for i in 0..nq {
-            s.store(zbuf.m().as_mut_ptr().add(16 * i), s.zero());
-        }
-        let mut t0 = 0;
-        while t0 < t_all {
-            let n = 16.min(t_all - t0);
-            let ah = [
-                generic::Ahead::new(codes, rb, t0, t_all),
-                generic::Ahead::new(params.as_ptr(), pb_tok, t0, t_all),
-            ];
-            // The tile's params, once for every query.
-            for tt in 0..n {
-                ah[0].token(tt);
-                ah[1].token(tt);
-                let row = params.as_ptr().add((t0 + tt) * pb_tok);
-                let sc = masked_params(fmt, row, gmask);
-                let ze = if sym {
-                    s.mul(sc, s.splat(-half))
-                } else {
-                    masked_params(fmt, row.add(gpr * fb), gmask)
-                };
-                s.store(pbuf.m().as_mut_ptr().add(32 * tt), sc);
-                s.store(pbuf.m().as_mut_ptr().add(32 * tt + 16), ze);
+            let pi = p.as_ptr().add(i * t_all);
+            for k in 0..16 {
+                s.store(facc.m().as_mut_ptr().add(16 * k), s.zero());
             }
-            // The four-token interleaved codes, once for every query.
-            for q in 0..4 {
-                let row = |u: usize| {
-                    let tt = if 4 * q + u < n { 4 * q + u } else { 0 };
-                    codes.add((t0 + tt) * rb)
-                };
-                let rows = [row(0), row(1), row(2), row(3)];
-                let xq = xbuf.m().as_mut_ptr().add(16 * 16 * q);
-                for vi in 0..nv {
-                    let r = |u: usize| _mm512_loadu_si512(rows[u].add(64 * vi) as *const _);
-                    let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
-                    let a = _mm512_unpacklo_epi8(r0, r1);
-                    let b = _mm512_unpackhi_epi8(r0, r1);
-                    let c = _mm512_unpacklo_epi8(r2, r3);
-                    let d = _mm512_unpackhi_epi8(r2, r3);
-                    let xs = [
-                        _mm512_unpacklo_epi16(a, c),
-                        _mm512_unpackhi_epi16(a, c),
-                        _mm512_unpacklo_epi16(b, d),
-                        _mm512_unpackhi_epi16(b, d),
-                    ];
-                    // Vector `4·slot + k`, slot `vi·nf + f`.
-                    for (k, xk) in xs.iter().enumerate() {
-                        if B == 4 {
-                            s.store_i(xq.add(16 * (4 * (2 * vi) + k)), _mm512_and_si512(*xk, lo));
-                            s.store_i(
-                                xq.add(16 * (4 * (2 * vi + 1) + k)),
-                                _mm512_and_si512(*xk, hi),
-                            );
-                        } else {
-                            s.store_i(xq.add(16 * (4 * vi + k)), *xk);
-                        }
-                    }
-                }
-            }
-            for i in 0..nq {
-                let pi = p.as_ptr().add(i * t_all);
+            let mut zacc = s.zero();
+            let mut t0 = 0;
+            while t0 < t_all {
+                let n = 16.min(t_all - t0);
+                let ah = [
+                    generic::Ahead::new(codes, rb, t0, t_all),
+                    generic::Ahead::new(params.as_ptr(), pb_tok, t0, t_all),
+                ];
                 // 1. Weights, their maxima, the zero sums.
-                let mut zacc = s.load(zbuf.s().as_ptr().add(16 * i));
                 let mut amax = s.zero();
                 for tt in 0..16 {
                     let w = if tt < n {
+                        ah[0].token(tt);
+                        ah[1].token(tt);
                         let pb = s.bcast(pi.add(t0 + tt));
-                        let sc = s.load(pbuf.s().as_ptr().add(32 * tt));
-                        let ze = s.load(pbuf.s().as_ptr().add(32 * tt + 16));
+                        let row = params.as_ptr().add((t0 + tt) * pb_tok);
+                        let sc = masked_params(fmt, row, gmask);
+                        let ze = if sym {
+                            s.mul(sc, s.splat(-half))
+                        } else {
+                            masked_params(fmt, row.add(gpr * fb), gmask)
+                        };
                         zacc = s.fma(ze, pb, zacc);
                         s.mul(sc, pb)
                     } else {
@@ -290,7 +234,6 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
                     amax = s.max(amax, _mm512_abs_ps(w));
                     s.store(wbuf.m().as_mut_ptr().add(16 * tt), w);
                 }
-                s.store(zbuf.m().as_mut_ptr().add(16 * i), zacc);
                 let delta = _mm512_div_ps(amax, s.splat(127.0));
                 let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(delta, s.zero());
                 let inv = _mm512_maskz_div_ps(pos, s.splat(1.0), delta);
@@ -312,42 +255,66 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
                         _mm512_ternarylogic_epi32::<SELECT>(x, _mm512_slli_epi32::<16>(qv[2]), m16);
                     let x =
                         _mm512_ternarylogic_epi32::<SELECT>(x, _mm512_slli_epi32::<24>(qv[3]), m24);
-                    let xq = xbuf.s().as_ptr().add(16 * 16 * q);
-                    for (slot, a) in acc.iter_mut().enumerate().take(slots) {
-                        let w = _mm512_permutexvar_epi32(gidx[slot / nf][slot % nf], x);
-                        for (k, ak) in a.iter_mut().enumerate() {
-                            *ak =
-                                _mm512_dpbusd_epi32(*ak, s.load_i(xq.add(16 * (4 * slot + k))), w);
+                    let row = |u: usize| {
+                        let tt = if 4 * q + u < n { 4 * q + u } else { 0 };
+                        codes.add((t0 + tt) * rb)
+                    };
+                    let rows = [row(0), row(1), row(2), row(3)];
+                    for vi in 0..nv {
+                        let r = |u: usize| _mm512_loadu_si512(rows[u].add(64 * vi) as *const _);
+                        let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
+                        let a = _mm512_unpacklo_epi8(r0, r1);
+                        let b = _mm512_unpackhi_epi8(r0, r1);
+                        let c = _mm512_unpacklo_epi8(r2, r3);
+                        let d = _mm512_unpackhi_epi8(r2, r3);
+                        let xs = [
+                            _mm512_unpacklo_epi16(a, c),
+                            _mm512_unpackhi_epi16(a, c),
+                            _mm512_unpacklo_epi16(b, d),
+                            _mm512_unpackhi_epi16(b, d),
+                        ];
+                        // Accumulator slot `vi·nf + f`.
+                        let w0 = _mm512_permutexvar_epi32(gidx[vi][0], x);
+                        if B == 4 {
+                            let w1 = _mm512_permutexvar_epi32(gidx[vi][1], x);
+                            for (k, xk) in xs.iter().enumerate() {
+                                let a0 = &mut acc[2 * vi][k];
+                                *a0 = _mm512_dpbusd_epi32(*a0, _mm512_and_si512(*xk, lo), w0);
+                                let a1 = &mut acc[2 * vi + 1][k];
+                                *a1 = _mm512_dpbusd_epi32(*a1, _mm512_and_si512(*xk, hi), w1);
+                            }
+                        } else {
+                            for (k, xk) in xs.iter().enumerate() {
+                                acc[vi][k] = _mm512_dpbusd_epi32(acc[vi][k], *xk, w0);
+                            }
                         }
                     }
                 }
                 // 4. `facc += δ_g·sum` (high nibbles summed at 16 times).
-                let fi = facc.m().as_mut_ptr().add(16 * 16 * i);
-                for (slot, a) in acc.iter().enumerate().take(slots) {
-                    let (vi, f) = (slot / nf, slot % nf);
-                    let mut dv = _mm512_permutexvar_ps(gidx[vi][f], delta);
-                    if B == 4 && f == 1 {
-                        dv = s.mul(dv, s.splat(1.0 / 16.0));
-                    }
-                    for (k, ak) in a.iter().enumerate() {
-                        let o = fi.add(16 * (4 * slot + k));
-                        s.store(o, s.fma(_mm512_cvtepi32_ps(*ak), dv, s.load(o)));
+                for (vi, gv) in gidx.iter().enumerate().take(nv) {
+                    for (f, gf) in gv.iter().enumerate().take(nf) {
+                        let mut dv = _mm512_permutexvar_ps(*gf, delta);
+                        if B == 4 && f == 1 {
+                            dv = s.mul(dv, s.splat(1.0 / 16.0));
+                        }
+                        let slot = vi * nf + f;
+                        for (k, a) in acc[slot].iter().enumerate() {
+                            let o = facc.m().as_mut_ptr().add(16 * (4 * slot + k));
+                            s.store(o, s.fma(_mm512_cvtepi32_ps(*a), dv, s.load(o)));
+                        }
                     }
                 }
+                t0 += n;
             }
-            t0 += n;
-        }
-        // Lanes back to channels, plus the zero sums.
-        for i in 0..nq {
-            s.store(zs.as_mut_ptr(), s.load(zbuf.s().as_ptr().add(16 * i)));
-            let fi = &facc.s()[16 * 16 * i..16 * 16 * (i + 1)];
+            // Lanes back to channels, plus the zero sums.
+            s.store(zs.as_mut_ptr(), zacc);
             let o = &mut out[i * HD..(i + 1) * HD];
-            for slot in 0..slots {
+            for slot in 0..nv * nf {
                 let (vi, f) = (slot / nf, slot % nf);
                 for k in 0..4 {
                     for lane in 0..16 {
                         let c = 64 * vi + 16 * (lane / 4) + 4 * k + lane % 4 + f * rb;
-                        o[c] += fi[16 * (4 * slot + k) + lane] + zs[c / cpg];
+                        o[c] += facc.s()[16 * (4 * slot + k) + lane] + zs[c / cpg];
                     }
                 }
             }
