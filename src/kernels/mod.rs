@@ -212,6 +212,8 @@ mod tests {
                     (100, 1, 16, Mode::Symmetric, ScaleFormat::F32),
                     (64, 3, 64, Mode::Asymmetric, ScaleFormat::Bf16),
                     (50, 1, hd, Mode::Symmetric, ScaleFormat::F16),
+                    // GQA 8 over tiles of 16 and a partial one.
+                    (83, 8, 16, Mode::Asymmetric, ScaleFormat::F16),
                 ] {
                     let s = QuantScheme::new(bits, Axis::PerToken, Group::Size(g))
                         .unwrap()
