@@ -109,7 +109,9 @@ pub use error::{Error, Result};
 pub use kernels::Backend;
 pub use metrics::{AttentionErrors, MetricsConfig};
 pub use plan::{MemoryModel, Planner};
-pub use quant::{Codec, Hadamard, KvCodec, KvQuantizer, Levels, Rotation, UniformQuantizer};
+pub use quant::{
+    Codec, FittedLevels, Hadamard, KvCodec, KvQuantizer, Levels, Rotation, UniformQuantizer,
+};
 pub use scheme::{presets, Axis, Group, Layout, Mode, QuantScheme, Rounding, ScaleFormat};
 pub use store::{PackedBlock, PackedHead};
 

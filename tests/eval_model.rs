@@ -1553,6 +1553,7 @@ fn every_sweep_grid_builds() {
         GridKind::Budget,
         GridKind::Rotation,
         GridKind::Plan,
+        GridKind::Fit,
     ] {
         let g = grid(kind, 0, 0);
         assert!(g[0].is_baseline(), "{kind:?}");
@@ -1575,6 +1576,80 @@ fn every_sweep_grid_builds() {
             }
         }
     }
+}
+
+/// `--grid fit` on a random model: every configuration holds a codec pair
+/// per layer, the fitted ones each layer's own table in place of the
+/// Lloyd-Max one it starts from, with unique names; the stores hold
+/// exactly those codecs, and the caches run.
+#[test]
+fn fitted_configurations_build_and_run() {
+    use kvq::Levels;
+    use kvq_eval::programs::sweep::{fit_configs, plan_captures};
+    let cfg = Config {
+        head_dim: 64,
+        rope_dim: 64,
+        d_model: 64,
+        n_layers: 3,
+        ..tiny_config(RopeStyle::Halves)
+    };
+    let m = Model::random(cfg, 7, false);
+    let held = vec![tokens(96, m.cfg.vocab_size, 13)];
+    let caps = plan_captures(&m, &held, None, 4).unwrap();
+    let configs = fit_configs(&caps, 0, 4).unwrap();
+    let mut names: Vec<_> = configs.iter().map(|c| c.name.clone()).collect();
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), configs.len());
+    let toks = tokens(64, m.cfg.vocab_size, 14);
+    let opts = PplOptions {
+        n_tokens: 64,
+        window: 32,
+        path: EvalPath::Prefill,
+        bos: None,
+    };
+    let mut fitted = 0;
+    for c in &configs {
+        let layers = c.layers.as_ref().expect("a codec pair per layer");
+        assert_eq!(layers.len(), 3);
+        let fits = layers
+            .iter()
+            .flat_map(|&(k, v)| [k, v])
+            .flatten()
+            .filter(|c| matches!(c.levels(), Some(Levels::Fitted(_))))
+            .count();
+        // Every layer's fitted codec, and only in the configurations named so.
+        assert!(
+            fits % 3 == 0 && (fits > 0) == c.name.contains("fit"),
+            "{}",
+            c.name
+        );
+        fitted += fits;
+        // Each layer fits its own table.
+        if c.name.starts_with("V H·fit") {
+            assert_ne!(layers[0].1, layers[1].1, "{}", c.name);
+        }
+        let (spec, hook) = c.store_and_hook();
+        assert!(hook.is_none());
+        assert_eq!(spec.sinks, 4);
+        let mut store =
+            kvq_eval::kvq_store::KvqStore::for_model_layers(&m.cfg, spec, layers).unwrap();
+        for (l, &(k, v)) in layers.iter().enumerate() {
+            let lc = store.cache().layer(l).config();
+            assert_eq!((lc.key_codec_spec(), lc.value_codec_spec()), (k, v));
+        }
+        let r = perplexity(
+            &m,
+            &toks,
+            &mut store,
+            &mut Hooks::default(),
+            &opts,
+            |_, _| {},
+        )
+        .unwrap();
+        assert!(r.all.ppl().is_finite(), "{}", c.name);
+    }
+    assert!(fitted > 0);
 }
 
 /// `--grid plan` on a random model: each budget's per-layer allocation stays

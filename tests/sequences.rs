@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{attend, max_abs_diff, Rng};
+use common::{attend, checksum, max_abs_diff, reseal, Rng};
 use kvq::cache::{attend_batch, dense_attention, resident_bytes};
 use kvq::{
     presets, Axis, Backend, CacheConfig, Codec, Error, Group, KvCache, LayerCache, Mode,
@@ -263,27 +263,6 @@ fn a_fork_is_independent_of_its_parent() {
 
 // ---------------------------------------------------------------------
 // Hostile bytes.
-
-/// The checksum as `docs/FORMAT.md` section 7 defines it, written from
-/// the document.
-fn checksum(b: &[u8]) -> u64 {
-    const P: u64 = 0x0000_0100_0000_01b3;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for c in b.chunks(8) {
-        let mut w = [0u8; 8];
-        w[..c.len()].copy_from_slice(c);
-        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(P);
-    }
-    (h ^ b.len() as u64).wrapping_mul(P)
-}
-
-/// Re-seal edited bytes with a matching checksum, so the content checks
-/// (not only the checksum) are what rejects them.
-fn reseal(b: &mut [u8]) {
-    let n = b.len() - 8;
-    let c = checksum(&b[..n]);
-    b[n..].copy_from_slice(&c.to_le_bytes());
-}
 
 fn put_u64(b: &mut [u8], at: usize, x: u64) {
     b[at..at + 8].copy_from_slice(&x.to_le_bytes());

@@ -205,7 +205,8 @@ impl CacheConfig {
 pub struct CacheBytes {
     /// Packed codes.
     pub codes: usize,
-    /// Scales and zeros.
+    /// Scales and zeros, and a fitted codebook's levels
+    /// ([`Codec::table_bytes`](crate::Codec::table_bytes)).
     pub params: usize,
     /// Full-precision (f32) sinks, residual window and staging tokens.
     pub full_precision: usize,

@@ -13,7 +13,8 @@
 //! allocating for the claim.
 
 use super::*;
-use crate::quant::{Levels, Rotation};
+use crate::quant::codebook::FITTED_ID;
+use crate::quant::{FittedLevels, Levels, Rotation};
 use crate::store::{check_fits, validate_params, SchemeBytes};
 use std::io::{Read, Write};
 
@@ -46,7 +47,8 @@ struct StreamHeader {
 
 /// A codec as saved (16 bytes): `present` 0 for full precision, 1 for
 /// the uniform grid, `2 + id` for a codebook ([`Levels`]: 0 `iq4_nl`, 1 NF4,
-/// 2 Lloyd-Max, 3 fp8 `e4m3`, 4 fp8 `e5m2`).
+/// 2 Lloyd-Max, 3 fp8 `e4m3`, 4 fp8 `e5m2`, 5 fitted, whose `2^bits`
+/// levels follow the layer's headers as little-endian `f32`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
 struct CodecTag {
@@ -378,11 +380,20 @@ fn header_rope(h: &RopeHeader) -> std::result::Result<Rope, String> {
     Ok(Rope::new(f64::from_bits(u64::from_le(h.base)), dims, style).with_scaling(scaling))
 }
 
-fn tag_codec(t: &CodecTag, what: &str) -> std::result::Result<Option<Codec>, String> {
+/// The codec of a tag (`fitted`: the levels [`read_fitted`] read for it).
+fn tag_codec(
+    t: &CodecTag,
+    fitted: Option<FittedLevels>,
+    what: &str,
+) -> std::result::Result<Option<Codec>, String> {
     let levels = match t.present {
         0 if bytemuck::bytes_of(t).iter().all(|&b| b == 0) => return Ok(None),
         0 => return Err(format!("{what}: a full-precision tag with non-zero bytes")),
         1 => None,
+        x if x == 2 + FITTED_ID => match fitted {
+            Some(f) => Some(Levels::Fitted(f)),
+            None => return Err(format!("{what}: a fitted codebook without its levels")),
+        },
         x => match x.checked_sub(2).and_then(Levels::from_id) {
             Some(l) => Some(l),
             None => return Err(format!("{what}: codec byte {x}")),
@@ -586,6 +597,11 @@ impl LayerCache {
         if let Some(r) = &c.rope {
             o.put(bytemuck::bytes_of(&rope_header(r)))?;
         }
+        for c in [c.keys, c.values].into_iter().flatten() {
+            if let Some(f) = c.levels().as_ref().and_then(Levels::fitted) {
+                o.put_f32(f.levels())?;
+            }
+        }
         self.k.save(o)?;
         self.v.save(o)
     }
@@ -646,10 +662,17 @@ impl LayerCache {
         pool: Option<&PagePool>,
     ) -> Result<Self> {
         let h: LayerHeader = i.pod("a layer header")?;
-        let mut cfg = layer_config(&h).map_err(|e| i.bad(e))?;
-        if u32::from_le(h.flags) & 4 != 0 {
+        let rope = if u32::from_le(h.flags) & 4 != 0 {
             let r: RopeHeader = i.pod("a RoPE header")?;
-            cfg = cfg.pre_rope(header_rope(&r).map_err(|e| i.bad(e))?);
+            Some(header_rope(&r).map_err(|e| i.bad(e))?)
+        } else {
+            None
+        };
+        let k_levels = read_fitted(i, &h.keys, "keys")?;
+        let v_levels = read_fitted(i, &h.values, "values")?;
+        let mut cfg = layer_config(&h, k_levels, v_levels).map_err(|e| i.bad(e))?;
+        if let Some(r) = rope {
+            cfg = cfg.pre_rope(r);
         }
         let cfg = match backend {
             Some(b) => cfg.backend(b),
@@ -715,7 +738,29 @@ fn read_stream_header<R: Read>(i: &mut In<R>, kind: u8) -> Result<u32> {
     Ok(n)
 }
 
-fn layer_config(h: &LayerHeader) -> std::result::Result<CacheConfig, String> {
+/// The levels of a fitted codec's tag, read from the stream (`None` for
+/// any other tag; a width outside 2–4 bits is refused before reading).
+fn read_fitted<R: Read>(i: &mut In<R>, t: &CodecTag, what: &str) -> Result<Option<FittedLevels>> {
+    if t.present != 2 + FITTED_ID {
+        return Ok(None);
+    }
+    if !(2..=4).contains(&t.bits) {
+        return Err(i.bad(format!(
+            "{what}: a fitted codebook of {} bits (2–4)",
+            t.bits
+        )));
+    }
+    let levels = i.take_f32(1 << t.bits, "fitted levels")?;
+    FittedLevels::new(&levels)
+        .map(Some)
+        .map_err(|e| i.bad(format!("{what}: {e}")))
+}
+
+fn layer_config(
+    h: &LayerHeader,
+    k_levels: Option<FittedLevels>,
+    v_levels: Option<FittedLevels>,
+) -> std::result::Result<CacheConfig, String> {
     let (n_kv, hd) = (
         u32::from_le(h.n_kv_heads) as usize,
         u32::from_le(h.head_dim) as usize,
@@ -727,8 +772,8 @@ fn layer_config(h: &LayerHeader) -> std::result::Result<CacheConfig, String> {
     let sinks = u64_usize(u64::from_le(h.sinks)).ok_or("sinks do not fit this machine")?;
     let residual = u64_usize(u64::from_le(h.residual)).ok_or("residual does not fit")?;
     let mut cfg = CacheConfig::new(n_kv, hd)
-        .key_codec(tag_codec(&h.keys, "keys")?)
-        .value_codec(tag_codec(&h.values, "values")?)
+        .key_codec(tag_codec(&h.keys, k_levels, "keys")?)
+        .value_codec(tag_codec(&h.values, v_levels, "values")?)
         .sinks(sinks)
         .residual(residual)
         .int8_kernels(flags & 2 != 0);

@@ -176,7 +176,7 @@ impl Rope {
     }
 
     /// The channel pairs `(a, b)` of a head, `dims/2` of them.
-    fn pair(&self, i: usize) -> (usize, usize) {
+    pub(crate) fn pair(&self, i: usize) -> (usize, usize) {
         match self.style {
             RopeStyle::Halves => (i, i + self.dims / 2),
             RopeStyle::Adjacent => (2 * i, 2 * i + 1),

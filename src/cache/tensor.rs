@@ -702,7 +702,8 @@ impl Tensor {
         let l = self.layout();
         CacheBytes {
             codes: l.map_or(0, |l| l.code_bytes(self.packed)),
-            params: l.map_or(0, |l| l.param_bytes(self.packed)),
+            params: l.map_or(0, |l| l.param_bytes(self.packed))
+                + self.codec.as_ref().map_or(0, |c| c.spec().table_bytes()),
             full_precision: (self.sink.len() + self.tail_rows() * self.width) * 4,
         }
     }

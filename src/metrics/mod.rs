@@ -545,6 +545,74 @@ impl LayerCapture {
         self.stored(codec, &self.v)
     }
 
+    /// The key codebook `codec` refit to this layer's keys as its cache
+    /// stores them ([`Codec::fit_levels`]): the tokens past the sinks,
+    /// before RoPE for a pre-RoPE capture. Each stored channel weighs by
+    /// its queries' energy, `Σ q_c²` over query positions and the KV
+    /// head's query heads (after the codec's rotation), so the fit
+    /// minimizes the summed squared score error. Before RoPE a channel
+    /// pair shares its energy (RoPE turns one into the other); before RoPE
+    /// and with a rotation, where the weights depend on the positions,
+    /// every channel weighs the same.
+    ///
+    /// # Errors
+    /// As [`Codec::fit_levels`]; [`Error::Length`] when no token is past
+    /// the sinks.
+    pub fn fit_keys(&self, codec: &Codec) -> Result<Codec> {
+        let (nkv, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
+        let built = codec.build(nkv, hd)?;
+        let cut = self.sinks.min(self.tokens) * nkv * hd;
+        let rows = match &self.pre_rope {
+            Some((pre, _)) => &pre[cut..],
+            None => &self.k[cut..],
+        };
+        let weights = match (&self.pre_rope, built.transforms()) {
+            (Some(_), true) => None,
+            (rope, _) => {
+                let (nq, group) = (self.shape.n_q_heads, self.shape.group());
+                let mut w = vec![0f64; nkv * hd];
+                let mut row = vec![0f32; nq * hd];
+                for q in self.q.chunks_exact(nq * hd) {
+                    row.copy_from_slice(q);
+                    built.transform_in(&mut row);
+                    for (i, head) in row.chunks_exact(hd).enumerate() {
+                        let h = i / group;
+                        for (w, &x) in w[h * hd..(h + 1) * hd].iter_mut().zip(head) {
+                            *w += f64::from(x) * f64::from(x);
+                        }
+                    }
+                }
+                if let Some((_, r)) = rope {
+                    for h in 0..nkv {
+                        for i in 0..r.dims() / 2 {
+                            let (a, b) = r.pair(i);
+                            let m = (w[h * hd + a] + w[h * hd + b]) / 2.0;
+                            w[h * hd + a] = m;
+                            w[h * hd + b] = m;
+                        }
+                    }
+                }
+                // Relative weights: scaled to a largest of 1 so any
+                // capture's energies fit an f32.
+                let top = w.iter().fold(0f64, |m, &x| m.max(x));
+                (top > 0.0).then(|| w.iter().map(|&x| (x / top) as f32).collect::<Vec<_>>())
+            }
+        };
+        codec.fit_levels(rows, nkv, hd, weights.as_deref())
+    }
+
+    /// The value codebook `codec` refit to this layer's values past the
+    /// sinks ([`Codec::fit_levels`]), every channel weighing the same (an
+    /// output channel's error is the values' error, mixed by the softmax).
+    ///
+    /// # Errors
+    /// As [`fit_keys`](Self::fit_keys).
+    pub fn fit_values(&self, codec: &Codec) -> Result<Codec> {
+        let (nkv, hd) = (self.shape.n_kv_heads, self.shape.head_dim);
+        let cut = self.sinks.min(self.tokens) * nkv * hd;
+        codec.fit_levels(&self.v[cut..], nkv, hd, None)
+    }
+
     /// `x` with the rows past the sinks through `codec`.
     fn stored(&self, codec: &Codec, x: &[f32]) -> Result<Vec<f32>> {
         let (nkv, hd) = (self.shape.n_kv_heads, self.shape.head_dim);

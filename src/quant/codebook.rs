@@ -26,6 +26,12 @@
 //!   at the same 4.5 bits, and at 3.5 (2.5) bits below the uniform 3-bit
 //!   (2-bit) grid with scale and zero, which takes 4 (3) bits.
 //!
+//! * [`Levels::Fitted`]: a table of 4, 8 or 16 levels fitted to a layer's own
+//!   keys or values ([`Codec::fit_levels`], KVQuant's non-uniform
+//!   codebooks on this crate's per-group scales), encoded as Lloyd-Max is.
+//!   The table is part of the format: saved with the cache and counted in
+//!   its bytes ([`FittedLevels::bytes`]).
+//!
 //! * [`Levels::E4m3`], [`Levels::E5m2`]: 8-bit floating point (OCP FP8),
 //!   the standard bytes times one scale per group (`absmax/448` or
 //!   `absmax/57344`), see `quant::fp8`.
@@ -57,7 +63,127 @@ pub enum Levels {
     E4m3,
     /// FP8 `e5m2` bytes times the group's `absmax/57344` (8 bits).
     E5m2,
+    /// A table fitted to data ([`Codec::fit_levels`]) or given
+    /// ([`FittedLevels::new`]), of 4, 8 or 16 levels (2–4 bits: the
+    /// widths of a symmetric scheme a table covers).
+    Fitted(FittedLevels),
 }
+
+/// Most levels a table holds: what a 4-bit code indexes, and what the
+/// kernels keep in one register.
+const MAX_LEVELS: usize = 16;
+
+/// The levels of a [`Levels::Fitted`] table: 4, 8 or 16 finite values,
+/// strictly ascending, the largest magnitude in `[1e-3, 1e3]` and no
+/// non-zero level closer to zero than `1/1024` of it.
+///
+/// The last rule bounds a group's scale: the least-squares scale of codes
+/// whose levels are `q` is at most the group's absmax over the smallest
+/// non-zero `|q|`, so a table with a level near zero could overflow an f16
+/// scale on ordinary rows.
+///
+/// ```
+/// use kvq::quant::FittedLevels;
+/// let t = FittedLevels::new(&[-1.6, -0.4, 0.5, 1.4])?;
+/// assert_eq!(t.bits(), 2);
+/// assert_eq!(t.levels(), &[-1.6, -0.4, 0.5, 1.4]);
+/// assert!(FittedLevels::new(&[0.0, 1.0, 2.0]).is_err()); // not a power of two
+/// assert!(FittedLevels::new(&[1.0, -1.0, 2.0, 3.0]).is_err()); // not ascending
+/// # Ok::<(), kvq::Error>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FittedLevels {
+    n: u8,
+    /// The levels' `f32` bits; zero past `n`.
+    bits: [u32; MAX_LEVELS],
+}
+
+impl std::fmt::Debug for FittedLevels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("FittedLevels").field(&self.levels()).finish()
+    }
+}
+
+impl FittedLevels {
+    /// The table `levels`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a table that breaks a rule of the
+    /// [type docs](Self): a count other than 4, 8 or 16, a NaN or
+    /// infinite level, levels not strictly ascending, a largest magnitude
+    /// outside `[1e-3, 1e3]`, or a non-zero level within `1/1024` of the
+    /// largest magnitude of zero.
+    pub fn new(levels: &[f32]) -> Result<Self> {
+        let bad = |what: String| {
+            Err(Error::InvalidConfig {
+                op: "FittedLevels::new",
+                what,
+            })
+        };
+        let n = levels.len();
+        if !matches!(n, 4 | 8 | 16) {
+            return bad(format!(
+                "{n} levels: a fitted table has 4, 8 or 16 (2–4 bits)"
+            ));
+        }
+        if let Some(i) = levels.iter().position(|x| !x.is_finite()) {
+            return bad(format!("level {i} is {}", levels[i]));
+        }
+        if let Some(i) = levels.windows(2).position(|w| w[0] >= w[1]) {
+            return bad(format!(
+                "levels are not strictly ascending: level {} is {} and level {} is {}",
+                i,
+                levels[i],
+                i + 1,
+                levels[i + 1]
+            ));
+        }
+        let top = levels[0].abs().max(levels[n - 1].abs());
+        if !(1e-3..=1e3).contains(&top) {
+            return bad(format!(
+                "largest level magnitude {top} is outside [1e-3, 1e3]"
+            ));
+        }
+        if let Some(&x) = levels.iter().find(|&&x| x != 0.0 && x.abs() < top / 1024.0) {
+            return bad(format!(
+                "level {x} is within 1/1024 of the largest magnitude {top} of zero \
+                 (make it zero or move it out)"
+            ));
+        }
+        let mut bits = [0u32; MAX_LEVELS];
+        for (b, x) in bits.iter_mut().zip(levels) {
+            *b = x.to_bits();
+        }
+        Ok(FittedLevels { n: n as u8, bits })
+    }
+
+    /// The levels, ascending.
+    pub fn levels(&self) -> &[f32] {
+        bytemuck::cast_slice(&self.bits[..usize::from(self.n)])
+    }
+
+    /// The width of a code: `log2` of the number of levels.
+    pub fn bits(&self) -> u8 {
+        self.n.trailing_zeros() as u8
+    }
+
+    /// Bytes the table takes where the format stores it (once per tensor:
+    /// an `f32` a level).
+    pub fn bytes(&self) -> usize {
+        4 * usize::from(self.n)
+    }
+
+    /// The smallest non-zero level magnitude.
+    fn smallest(&self) -> f32 {
+        self.levels()
+            .iter()
+            .filter(|x| **x != 0.0)
+            .fold(f32::INFINITY, |m, x| m.min(x.abs()))
+    }
+}
+
+/// The saved id of [`Levels::Fitted`].
+pub(crate) const FITTED_ID: u8 = 5;
 
 /// llama.cpp's `kvalues_iq4nl`.
 const IQ4NL: [f32; 16] = [
@@ -98,7 +224,8 @@ const GAUSS4: [f32; 16] = [
 ];
 
 impl Levels {
-    /// Every table, for tests and sweeps.
+    /// Every fixed table (all but [`Levels::Fitted`]), for tests and
+    /// sweeps.
     pub const ALL: &'static [Levels] = &[
         Levels::Iq4Nl,
         Levels::Nf4,
@@ -109,8 +236,9 @@ impl Levels {
 
     /// The levels at `bits` bits, ascending (`None` when this table has no
     /// such width, and for fp8, which decodes without a table).
-    pub fn table(self, bits: u8) -> Option<&'static [f32]> {
+    pub fn table(&self, bits: u8) -> Option<&[f32]> {
         match (self, bits) {
+            (Levels::Fitted(f), b) if b == f.bits() => Some(f.levels()),
             (Levels::Iq4Nl, 4) => Some(&IQ4NL),
             (Levels::Nf4, 4) => Some(&NF4),
             (Levels::Gauss, 2) => Some(&GAUSS2),
@@ -120,7 +248,7 @@ impl Levels {
         }
     }
 
-    /// Its short name: `iq4_nl`, `nf4`, `gauss`.
+    /// Its short name: `iq4_nl`, `nf4`, `gauss`, `e4m3`, `e5m2`, `fit`.
     pub fn name(self) -> &'static str {
         match self {
             Levels::Iq4Nl => "iq4_nl",
@@ -128,6 +256,7 @@ impl Levels {
             Levels::Gauss => "gauss",
             Levels::E4m3 => "e4m3",
             Levels::E5m2 => "e5m2",
+            Levels::Fitted(_) => "fit",
         }
     }
 
@@ -148,12 +277,22 @@ impl Levels {
             Levels::Gauss => 2,
             Levels::E4m3 => 3,
             Levels::E5m2 => 4,
+            Levels::Fitted(_) => FITTED_ID,
         }
     }
 
-    /// The table of a saved id.
+    /// The fixed table of a saved id (a fitted table's levels are saved
+    /// with it: [`FITTED_ID`]).
     pub(crate) fn from_id(id: u8) -> Option<Levels> {
         Levels::ALL.get(usize::from(id)).copied()
+    }
+
+    /// The fitted table, if this is one.
+    pub fn fitted(&self) -> Option<&FittedLevels> {
+        match self {
+            Levels::Fitted(f) => Some(f),
+            _ => None,
+        }
     }
 }
 
@@ -240,11 +379,13 @@ pub(crate) fn encode_group(
             }
         }
         Levels::E4m3 | Levels::E5m2 => unreachable!("fp8 groups go to fp8_group"),
-        Levels::Nf4 | Levels::Gauss => {
+        Levels::Nf4 | Levels::Gauss | Levels::Fitted(_) => {
             if amax == 0.0 {
                 return all_zero(codes);
             }
-            let top = t[t.len() - 1];
+            // The symmetric tables' last level; a fitted one may be
+            // lopsided.
+            let top = t[t.len() - 1].max(-t[0]);
             let rms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / x.len() as f64)
                 .sqrt() as f32;
             // Starting scales: the absmax on the outer level (NF4's own
@@ -347,6 +488,123 @@ fn refit(
     Ok(d)
 }
 
+/// Lloyd iterations [`fit_levels`] runs at most.
+const FIT_ITERS: usize = 24;
+
+/// The levels of the codebook codec `start` (a table it has, not fp8 or
+/// `iq4_nl`) refit to `rows` (`[tokens, n_kv_heads·head_dim]`), weighted
+/// per channel of the stored space by `weights` (see
+/// [`Codec::fit_levels`]).
+///
+/// A weighted Lloyd iteration on the codec's own encoder: every group is
+/// encoded with the current table (its stored scale `d` and codes), then
+/// each level moves to the least-squares value for the elements that chose
+/// it, `Σ w·d·x / Σ w·d²`. The table of least weighted squared error seen
+/// is kept; iteration stops when an update does not lower it, after
+/// [`FIT_ITERS`] updates, or when an update breaks a rule of
+/// [`FittedLevels`] that sorting and snapping to zero do not mend.
+pub(crate) fn fit_levels(
+    start: &Codec,
+    rows: &[f32],
+    n_kv_heads: usize,
+    head_dim: usize,
+    weights: Option<&[f32]>,
+) -> Result<FittedLevels> {
+    let op = "Codec::fit_levels";
+    let bad = |what: String| Err(Error::InvalidConfig { op, what });
+    let s = start.scheme();
+    let t0 = match start.levels() {
+        Some(Levels::Iq4Nl) | None => None,
+        Some(l) => l.table(s.bits()).map(<[f32]>::to_vec),
+    };
+    let Some(mut t) = t0 else {
+        return bad(format!(
+            "fitting starts from a Lloyd-Max, NF4 or fitted table, not {}",
+            start.label()
+        ));
+    };
+    let built = start.build(n_kv_heads, head_dim)?;
+    let width = n_kv_heads * head_dim;
+    super::check_rows(
+        op,
+        "values (a positive multiple of n_kv_heads·head_dim)",
+        rows.len(),
+        width,
+    )?;
+    super::check_finite(op, rows, n_kv_heads, head_dim, 0)?;
+    if let Some(w) = weights {
+        super::check_len(op, "channel weights", width, w.len())?;
+        if let Some(i) = w.iter().position(|x| !x.is_finite() || *x < 0.0) {
+            return Err(Error::InvalidArgument {
+                op,
+                what: format!("channel weight {i} is {}", w[i]),
+            });
+        }
+        if w.iter().all(|x| *x == 0.0) {
+            return Err(Error::InvalidArgument {
+                op,
+                what: "every channel weight is zero".into(),
+            });
+        }
+    }
+    let mut x = rows.to_vec();
+    built.transform_in(&mut x);
+    let l = built.layout();
+    let (cpg, fmt) = (l.channels_per_group(), s.scale_format());
+    let mut codes = vec![0u8; cpg];
+    let n = t.len();
+    let mut best: Option<(f64, FittedLevels)> = None;
+    for _ in 0..=FIT_ITERS {
+        let Ok(table) = FittedLevels::new(&t) else {
+            break;
+        };
+        let levels = Levels::Fitted(table);
+        let (mut num, mut den, mut err) = (vec![0f64; n], vec![0f64; n], 0f64);
+        for (tok, row) in x.chunks_exact(width).enumerate() {
+            for (k, g) in row.chunks_exact(cpg).enumerate() {
+                let d = encode_group(levels, &t, fmt, g, &mut codes).map_err(|value| {
+                    super::overflow(
+                        fmt,
+                        "scale",
+                        value,
+                        tok,
+                        k * cpg / head_dim,
+                        k * cpg % head_dim / cpg,
+                    )
+                })?;
+                let d = f64::from(d);
+                for (i, (&c, &v)) in codes.iter().zip(g).enumerate() {
+                    let w = weights.map_or(1.0, |w| f64::from(w[k * cpg + i]));
+                    let (c, v) = (usize::from(c), f64::from(v));
+                    num[c] += w * d * v;
+                    den[c] += w * d * d;
+                    err += w * (v - d * f64::from(t[c])).powi(2);
+                }
+            }
+        }
+        match best {
+            Some((e, _)) if err >= e * (1.0 - 1e-7) => break,
+            _ => best = Some((err, table)),
+        }
+        for (c, lv) in t.iter_mut().enumerate() {
+            if den[c] > 0.0 {
+                *lv = (num[c] / den[c]) as f32;
+            }
+        }
+        t.sort_by(f32::total_cmp);
+        let top = t[0].abs().max(t[n - 1].abs());
+        for lv in &mut t {
+            if lv.abs() < top / 1024.0 {
+                *lv = 0.0;
+            }
+        }
+    }
+    match best {
+        Some((_, f)) => Ok(f),
+        None => bad(format!("{} is not a table to fit", start.label())),
+    }
+}
+
 /// A codebook format for one shape: the layout of its symmetric scheme
 /// and the levels, padded to 16 for the kernels (empty for fp8).
 #[derive(Debug, Clone)]
@@ -446,7 +704,12 @@ impl CodebookCodec {
             ScaleFormat::Bf16 => half::bf16::MAX.to_f32(),
             ScaleFormat::F32 => f32::MAX,
         };
-        top / 16.0
+        match self.levels {
+            // |d| ≤ absmax / (smallest non-zero |level|), with room for the
+            // scale's rounding.
+            Levels::Fitted(f) => top * f.smallest() / 4.0,
+            _ => top / 16.0,
+        }
     }
 }
 

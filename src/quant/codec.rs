@@ -17,7 +17,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::codebook::{CodebookCodec, Levels};
+use super::codebook::{CodebookCodec, FittedLevels, Levels};
 use super::rotation::Hadamard;
 use super::{group_params, min_max, quantize_channel_block, quantize_token, safe_abs};
 use crate::error::{Error, Result};
@@ -274,6 +274,64 @@ impl Codec {
     /// The codebook, `None` for the uniform grid.
     pub fn levels(&self) -> Option<Levels> {
         self.levels
+    }
+
+    /// This codebook format with its levels fitted to `rows`
+    /// (`[tokens, n_kv_heads·head_dim]`, as the cache would store them):
+    /// the same scheme and rotation, [`Levels::Fitted`] levels. `weights`
+    /// (one per channel of a row, after the rotation, `≥ 0`) weigh each
+    /// element's squared error; keys weighted by their queries' energy per
+    /// channel make the fit minimize the score error
+    /// ([`LayerCapture::fit_keys`](crate::metrics::LayerCapture::fit_keys)).
+    ///
+    /// The fit starts from this format's levels (Lloyd-Max, NF4 or an
+    /// earlier fit) and runs Lloyd iterations on the format's own encoder,
+    /// per-group scales included: on these rows the result's weighted
+    /// squared error is never above the start's.
+    ///
+    /// ```
+    /// use kvq::{Axis, Codec, Group, Levels, Mode, QuantScheme, Rotation};
+    /// let s = QuantScheme::new(3, Axis::PerToken, Group::Size(32))?.with_mode(Mode::Symmetric)?;
+    /// let start = Codec::codebook(s, Levels::Gauss).with_rotation(Rotation::Hadamard);
+    /// // Heavy-tailed rows: a cube of a sine.
+    /// let x: Vec<f32> = (0..64 * 256).map(|i| ((i as f32 * 0.37).sin()).powi(3)).collect();
+    /// let fit = start.fit_levels(&x, 2, 128, None)?;
+    /// assert_eq!(fit.levels().unwrap().name(), "fit");
+    /// let mse = |c: &Codec| -> Result<f32, kvq::Error> {
+    ///     let y = c.roundtrip(&x, 2, 128)?;
+    ///     Ok(x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum::<f32>())
+    /// };
+    /// assert!(mse(&fit)? <= mse(&start)?);
+    /// # Ok::<(), kvq::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when this is not a codebook with a table
+    /// to start from (the uniform grid, fp8, `iq4_nl`); as
+    /// [`build`](Self::build) for the shape; [`Error::Length`] for rows
+    /// that are not whole tokens or weights not one per channel;
+    /// [`Error::NonFinite`] for NaN or infinite rows;
+    /// [`Error::InvalidArgument`] for a negative or non-finite weight, or
+    /// all weights zero; [`Error::ScaleOverflow`] for rows a group's scale
+    /// cannot hold.
+    pub fn fit_levels(
+        &self,
+        rows: &[f32],
+        n_kv_heads: usize,
+        head_dim: usize,
+        weights: Option<&[f32]>,
+    ) -> Result<Codec> {
+        let f = super::codebook::fit_levels(self, rows, n_kv_heads, head_dim, weights)?;
+        Ok(Codec::codebook(self.scheme, Levels::Fitted(f)).with_rotation(self.rotation))
+    }
+
+    /// Bytes the format stores once per tensor, beside its packed rows: a
+    /// fitted table's levels ([`FittedLevels::bytes`]); 0 for the rest.
+    pub fn table_bytes(&self) -> usize {
+        self.levels
+            .as_ref()
+            .and_then(Levels::fitted)
+            .map_or(0, FittedLevels::bytes)
     }
 
     /// A short label: the scheme's, prefixed with the codebook's name

@@ -53,7 +53,7 @@ pub mod codec;
 pub mod fp8;
 pub mod rotation;
 
-pub use codebook::{CodebookCodec, Levels};
+pub use codebook::{CodebookCodec, FittedLevels, Levels};
 pub use codec::{Codec, KvCodec, Pending, Rotated, Rotation, UniformCodec};
 pub use rotation::Hadamard;
 

@@ -160,3 +160,24 @@ pub fn attend(c: &kvq::LayerCache, q: &[f32], n_q: usize) -> Vec<f32> {
     c.attend(q, n_q, &mut out).unwrap();
     out
 }
+
+/// The checksum as `docs/FORMAT.md` section 7 defines it, written from
+/// the document.
+pub fn checksum(b: &[u8]) -> u64 {
+    const P: u64 = 0x0000_0100_0000_01b3;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for c in b.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(P);
+    }
+    (h ^ b.len() as u64).wrapping_mul(P)
+}
+
+/// Re-seal edited bytes with a matching checksum, so the content checks
+/// (not only the checksum) are what rejects them.
+pub fn reseal(b: &mut [u8]) {
+    let n = b.len() - 8;
+    let c = checksum(&b[..n]);
+    b[n..].copy_from_slice(&c.to_le_bytes());
+}

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example sweep -- [--model smollm2|gemma|PATH]
-//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan]
+//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit]
 //!     [--full] [--budgets B,B] [--calib austen|code|PATH]
 //!     [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
@@ -21,8 +21,10 @@
 //! keys stored before RoPE against after it, 2–4 bits), `budget`
 //! (per-channel keys with rotated Lloyd-Max values at 4.25–5 bits),
 //! `rotation` (every uniform scheme with and without the Hadamard rotation)
-//! and `plan` (what `kvq::Planner` chooses from a held-out window at each
-//! of `--budgets`: its per-layer allocation and its best single pair).
+//! `plan` (what `kvq::Planner` chooses from a held-out window at each
+//! of `--budgets`: its per-layer allocation and its best single pair) and
+//! `fit` (codebooks fitted per layer to a held-out window, against the
+//! Lloyd-Max tables they start from).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
 //! (pip + apt, checked by sha256). For every domain and configuration it
@@ -76,7 +78,7 @@ pub struct Args {
     /// The grid of caches (see the module docs).
     #[arg(
         long,
-        value_name = "default|full|split|ladder|trap|codebook|budget|prerope|rotation|plan",
+        value_name = "default|full|split|ladder|trap|codebook|budget|prerope|rotation|plan|fit",
         default_value = "default"
     )]
     pub grid: GridKind,
@@ -124,7 +126,7 @@ pub struct Args {
         default_value = "3,3.5,4,4.5"
     )]
     pub budgets: Vec<f64>,
-    /// --grid plan: the corpora of the held-out calibration windows (from
+    /// --grid plan and fit: the corpora of the held-out calibration windows (from
     /// each, the window right after the tokens the sweep scores).
     #[arg(
         long,
@@ -195,6 +197,11 @@ pub enum GridKind {
     /// window ([`plan_grid`]): per budget, the per-layer allocation and the
     /// best single pair, keys stored before RoPE.
     Plan,
+    /// Rotated codebooks fitted per layer and per K/V to held-out windows
+    /// ([`fit_grid`]) beside the Lloyd-Max tables they start from: values
+    /// alone, keys alone (query-weighted and not), and both at 3–4
+    /// effective bits.
+    Fit,
 }
 
 impl std::str::FromStr for GridKind {
@@ -211,9 +218,10 @@ impl std::str::FromStr for GridKind {
             "budget" => Ok(GridKind::Budget),
             "rotation" => Ok(GridKind::Rotation),
             "plan" => Ok(GridKind::Plan),
+            "fit" => Ok(GridKind::Fit),
             _ => Err(format!(
                 "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope, \
-                 budget, rotation, plan)"
+                 budget, rotation, plan, fit)"
             )),
         }
     }
@@ -353,8 +361,8 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
     let mut g = vec![mk("fp32 (baseline)".into(), None, None)];
     match kind {
         GridKind::Default => {}
-        // Planned in `run`, which has the model to calibrate on.
-        GridKind::Plan => return g,
+        // Planned or fitted in `run`, which has the model to calibrate on.
+        GridKind::Plan | GridKind::Fit => return g,
         GridKind::Rotation => {
             let (g32, g64) = (Group::Size(32), Group::Size(64));
             let mut plain = Vec::new();
@@ -786,7 +794,7 @@ pub struct Report {
     /// Model file name.
     pub model: String,
     /// The grid (`default`, `full`, `split`, `ladder`, `trap`, `codebook`,
-    /// `prerope`, `budget`, `rotation`, `plan`).
+    /// `prerope`, `budget`, `rotation`, `plan`, `fit`).
     pub grid: String,
     /// Tokens per domain.
     pub tokens: usize,
@@ -833,8 +841,10 @@ pub fn run(args: Args) -> Result<(), BoxError> {
     let (n_layers, n_kv, hd, n_q) = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.n_heads);
     let kind = args.grid_kind();
     let mut configs = grid(kind, args.residual, args.sinks);
-    if kind == GridKind::Plan {
-        configs.extend(plan_grid(&model, &tok, &args, &opts)?);
+    match kind {
+        GridKind::Plan => configs.extend(plan_grid(&model, &tok, &args, &opts)?),
+        GridKind::Fit => configs.extend(fit_grid(&model, &tok, &args, &opts)?),
+        _ => {}
     }
     if let Some(only) = &args.only {
         // Keep the baseline: Δppl needs it.
@@ -1144,6 +1154,24 @@ pub fn plan_grid(
     args: &Args,
     opts: &PplOptions,
 ) -> Result<Vec<Config>, BoxError> {
+    let held = held_windows(tok, args, opts)?;
+    plan_configs(
+        model,
+        &held,
+        opts.bos,
+        &args.budgets,
+        args.residual,
+        args.sinks,
+    )
+}
+
+/// The held-out window of each corpus of `args.calib`: the `window`
+/// tokens after the `n_tokens` the sweep scores.
+fn held_windows(
+    tok: &crate::tokenizer::Tokenizer,
+    args: &Args,
+    opts: &PplOptions,
+) -> Result<Vec<Vec<u32>>, BoxError> {
     let mut held = Vec::new();
     for corpus in &args.calib {
         let text = std::fs::read_to_string(crate::assets::corpus(corpus))?;
@@ -1158,14 +1186,151 @@ pub fn plan_grid(
             })?;
         held.push(w.to_vec());
     }
-    plan_configs(
-        model,
-        &held,
-        opts.bos,
-        &args.budgets,
-        args.residual,
-        args.sinks,
-    )
+    Ok(held)
+}
+
+/// [`GridKind::Fit`]: captures the held-out windows of `args.calib` (as
+/// [`plan_grid`] does) and fits codebooks on them ([`fit_configs`]).
+pub fn fit_grid(
+    model: &Model,
+    tok: &crate::tokenizer::Tokenizer,
+    args: &Args,
+    opts: &PplOptions,
+) -> Result<Vec<Config>, BoxError> {
+    let held = held_windows(tok, args, opts)?;
+    let captures = plan_captures(model, &held, opts.bos, args.sinks)?;
+    fit_configs(&captures, args.residual, args.sinks)
+}
+
+/// Fitted codebooks against the tables they start from, on `captures`
+/// (one per layer, with pre-RoPE keys and the caches' sinks, as
+/// [`plan_captures`] makes them), for caches with `residual` and `sinks`.
+/// Every fitted codec starts from rotated Lloyd-Max levels on per-token
+/// groups of 32 and is fitted per layer: values
+/// ([`kvq::metrics::LayerCapture::fit_values`]); keys after RoPE weighted
+/// by their queries' energy ([`kvq::metrics::LayerCapture::fit_keys`]) and,
+/// at 3 bits, unweighted; values beside per-channel keys stored before
+/// RoPE (3 and 4 bits in blocks of 64).
+pub fn fit_configs(
+    captures: &[kvq::metrics::LayerCapture],
+    residual: usize,
+    sinks: usize,
+) -> Result<Vec<Config>, BoxError> {
+    let t = Instant::now();
+    // The same layers with the keys as a post-RoPE cache stores them.
+    let post = captures
+        .iter()
+        .map(|c| {
+            Ok(
+                kvq::metrics::LayerCapture::new(c.shape(), c.q(), c.k(), c.v())?
+                    .with_sinks(c.sinks()),
+            )
+        })
+        .collect::<Result<Vec<_>, kvq::Error>>()?;
+    let per_layer = |f: &dyn Fn(usize) -> Result<Codec, kvq::Error>| {
+        (0..captures.len()).map(f).collect::<Result<Vec<_>, _>>()
+    };
+    let cut = |c: &kvq::metrics::LayerCapture| {
+        let s = c.shape();
+        c.sinks().min(c.tokens()) * s.n_kv_heads() * s.head_dim()
+    };
+    let mut values = Vec::new();
+    let mut keys = Vec::new();
+    let mut keys_plain = Vec::new();
+    for b in [2u8, 3] {
+        values.push(per_layer(&|l| captures[l].fit_values(&gauss(b, 32)))?);
+        keys.push(per_layer(&|l| post[l].fit_keys(&gauss(b, 32)))?);
+    }
+    for p in &post {
+        let sh = p.shape();
+        let rows = &p.k()[cut(p)..];
+        keys_plain.push(gauss(3, 32).fit_levels(rows, sh.n_kv_heads(), sh.head_dim(), None)?);
+    }
+    for (b, (v, k)) in [2u8, 3].iter().zip(values.iter().zip(&keys)) {
+        eprintln!("fitted {b}-bit levels, layer 0: values {:?}", v[0].levels());
+        eprintln!("                        keys   {:?}", k[0].levels());
+    }
+    eprintln!("fitted in {:.1}s", t.elapsed().as_secs_f64());
+    let post_spec = CacheSpec {
+        residual,
+        sinks,
+        ..CacheSpec::FULL
+    };
+    let pre_spec = CacheSpec {
+        pre_rope: true,
+        ..post_spec
+    };
+    let n = captures.len();
+    let cfg = |name: String, spec, layers: Vec<(Option<Codec>, Option<Codec>)>| Config {
+        layers: Some(layers),
+        ..Config::new(name, spec)
+    };
+    let each = |k: &dyn Fn(usize) -> Option<Codec>, v: &dyn Fn(usize) -> Option<Codec>| {
+        (0..n).map(|l| (k(l), v(l))).collect::<Vec<_>>()
+    };
+    let mut out = Vec::new();
+    for (i, b) in [2u8, 3].into_iter().enumerate() {
+        let g = gauss(b, 32);
+        out.push(cfg(
+            format!("V H·gauss{b} pt32"),
+            post_spec,
+            each(&|_| None, &|_| Some(g)),
+        ));
+        let fv = &values[i];
+        out.push(cfg(
+            format!("V H·fit{b} pt32"),
+            post_spec,
+            each(&|_| None, &|l| Some(fv[l])),
+        ));
+    }
+    for (i, b) in [2u8, 3].into_iter().enumerate() {
+        let g = gauss(b, 32);
+        out.push(cfg(
+            format!("K H·gauss{b} pt32"),
+            post_spec,
+            each(&|_| Some(g), &|_| None),
+        ));
+        let fk = &keys[i];
+        out.push(cfg(
+            format!("K H·fit{b} pt32 q-weighted"),
+            post_spec,
+            each(&|l| Some(fk[l]), &|_| None),
+        ));
+    }
+    out.push(cfg(
+        "K H·fit3 pt32 unweighted".into(),
+        post_spec,
+        each(&|l| Some(keys_plain[l]), &|_| None),
+    ));
+    // Both: rotated per-token keys after RoPE at 3 bits with values at 2
+    // (3.0 effective bits), and per-channel keys before RoPE.
+    let (g2, g3) = (gauss(2, 32), gauss(3, 32));
+    out.push(cfg(
+        "K H·gauss3 / V H·gauss2".into(),
+        post_spec,
+        each(&|_| Some(g3), &|_| Some(g2)),
+    ));
+    out.push(cfg(
+        "K H·fit3 / V H·fit2".into(),
+        post_spec,
+        each(&|l| Some(keys[1][l]), &|l| Some(values[0][l])),
+    ));
+    for (kb, vb) in [(3u8, 2u8), (4, 3)] {
+        let k = Codec::uniform(s(kb, Axis::PerChannel, Group::Size(64)));
+        let vi = usize::from(vb - 2);
+        let g = gauss(vb, 32);
+        out.push(cfg(
+            format!("K{kb} pc64 pre-RoPE / V H·gauss{vb}"),
+            pre_spec,
+            each(&|_| Some(k), &|_| Some(g)),
+        ));
+        out.push(cfg(
+            format!("K{kb} pc64 pre-RoPE / V H·fit{vb}"),
+            pre_spec,
+            each(&|_| Some(k), &|l| Some(values[vi][l])),
+        ));
+    }
+    Ok(out)
 }
 
 /// The planner's view of the windows `held` (each as long as the first;
