@@ -85,7 +85,29 @@ fn caches() -> Vec<Vec<u8>> {
                 .with_rotation(kvq::Rotation::Hadamard),
             )
             .residual(2),
-        // Pre-RoPE keys: a RoPE header behind the layer header.
+        // Fitted codebooks: their levels behind the layer header.
+        CacheConfig::new(1, 32)
+            .key_codec(Codec::codebook(
+                QuantScheme::new(2, Axis::PerToken, Group::Size(16))
+                    .unwrap()
+                    .with_mode(kvq::Mode::Symmetric)
+                    .unwrap(),
+                kvq::Levels::Fitted(kvq::FittedLevels::new(&[-1.5, -0.4, 0.0, 0.9]).unwrap()),
+            ))
+            .value_codec(
+                Codec::codebook(
+                    QuantScheme::new(3, Axis::PerToken, Group::Size(32))
+                        .unwrap()
+                        .with_mode(kvq::Mode::Symmetric)
+                        .unwrap(),
+                    kvq::Levels::Fitted(
+                        kvq::FittedLevels::new(&[-2.0, -1.3, -0.7, -0.2, 0.3, 0.8, 1.3, 2.1])
+                            .unwrap(),
+                    ),
+                )
+                .with_rotation(kvq::Rotation::Hadamard),
+            ),
+                // Pre-RoPE keys: a RoPE header behind the layer header.
         CacheConfig::new(1, 32)
             .keys(k4)
             .values(v4)

@@ -103,15 +103,31 @@ fn codec(c: &mut Choices) -> Option<Codec> {
     }
 }
 
-/// The uniform grid of `s` or, one time in three, a codebook on its
-/// storage (which the cache rejects unless `s` fits it).
+/// The uniform grid of `s` or, more than one time in three, a codebook
+/// on its storage (which the cache rejects unless `s` fits it): a fixed
+/// table, or a fitted one of arbitrary levels (which `FittedLevels::new`
+/// may refuse).
 fn levels(c: &mut Choices, s: QuantScheme) -> Codec {
-    match c.below(8) {
+    match c.below(9) {
         0 => Codec::codebook(s, Levels::Iq4Nl),
         1 => Codec::codebook(s, Levels::Nf4),
         2 => Codec::codebook(s, Levels::Gauss),
         3 => Codec::codebook(s, Levels::E4m3),
         4 => Codec::codebook(s, Levels::E5m2),
+        5 => {
+            let n = c.pick(&[3usize, 4, 8, 16]);
+            let mut x = c.u8() as f32 / 64.0 - 2.0;
+            let levels: Vec<f32> = (0..n)
+                .map(|_| {
+                    x += c.pick(&[-0.1f32, 0.0, 1e-5, 0.3, 1.0, f32::NAN]);
+                    x
+                })
+                .collect();
+            match kvq::FittedLevels::new(&levels) {
+                Ok(f) => Codec::codebook(s, Levels::Fitted(f)),
+                Err(_) => Codec::uniform(s),
+            }
+        }
         _ => Codec::uniform(s),
     }
 }
