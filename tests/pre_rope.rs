@@ -87,28 +87,36 @@ fn full_precision_pre_rope_attends_as_post_rope_keys() {
 #[test]
 fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
     let mut rng = Rng::new(9);
-    let (n_kv, hd, n_q) = (2, 128, 8);
+    let (n_kv, hd) = (2, 128);
     let w = n_kv * hd;
     let g32 = Group::Size(32);
+    let pc = |b, g| Codec::from(QuantScheme::new(b, Axis::PerChannel, Group::Size(g)).unwrap());
+    let r = ropes(hd);
+    // Per-channel 2, 4 and 8 bits at head_dim 128 with a rotation of
+    // every channel take the fused kernel (2 bits on AVX-512 only);
+    // partial rotary, other widths, per-token keys and codebooks go
+    // through the scratch kernel or the chunked decode-and-rotate path.
     let keys = [
-        Codec::from(QuantScheme::new(4, Axis::PerChannel, g32).unwrap()),
-        QuantScheme::new(2, Axis::PerChannel, Group::Size(64))
-            .unwrap()
-            .into(),
-        QuantScheme::new(3, Axis::PerToken, g32).unwrap().into(),
-        QuantScheme::new(4, Axis::PerChannel, g32).unwrap().into(),
+        (pc(4, 32), r[0]),
+        (pc(2, 64), r[1]),
+        (
+            QuantScheme::new(3, Axis::PerToken, g32).unwrap().into(),
+            r[2],
+        ),
+        // 120 adjacent rotary channels take the scratch kernel only with
+        // 8 lanes (AVX2), and the chunked path otherwise.
+        (pc(4, 32), Rope::new(10_000.0, 120, RopeStyle::Adjacent)),
         // A codebook decodes through its own levels, not the uniform grid.
-        presets::iq4_nl(),
+        (presets::iq4_nl(), r[0]),
+        (pc(8, 32), r[4]),
+        (pc(4, 64), r[3]),
+        (pc(4, 32), r[2]),
+        (pc(3, 32), r[0]),
     ];
     for backend in backends() {
-        for (ki, key) in keys.into_iter().enumerate() {
-            // The first three shapes take the SIMD kernel; 120 adjacent
-            // rotary channels take it only with 8 lanes (AVX2), and the
-            // chunked decode-and-rotate path otherwise.
-            let rope = match ki {
-                3 => Rope::new(10_000.0, 120, RopeStyle::Adjacent),
-                _ => ropes(hd)[ki % 3],
-            };
+        for (ki, (key, rope)) in keys.into_iter().enumerate() {
+            // One query per KV head, then four.
+            let n_q = if ki % 2 == 0 { 2 } else { 8 };
             // 555 tokens: a partial per-channel block stays full precision.
             let len = 555;
             let k = rng.vec(len * w);

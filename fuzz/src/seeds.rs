@@ -107,7 +107,7 @@ fn caches() -> Vec<Vec<u8>> {
                 )
                 .with_rotation(kvq::Rotation::Hadamard),
             ),
-                // Pre-RoPE keys: a RoPE header behind the layer header.
+        // Pre-RoPE keys: a RoPE header behind the layer header.
         CacheConfig::new(1, 32)
             .keys(k4)
             .values(v4)

@@ -103,10 +103,32 @@ impl Kernel for Args<'_, '_> {
             q,
             out,
         } = self;
+        use super::x86_64::fused_shape;
         if !generic::rope_takes::<S>(head, rope) {
             return false;
         }
         super::x86_64::check_head(head, q.len(), out.len());
+        // The compiled per-channel shapes whose rotation covers the head:
+        // rows turned in registers (`generic::rope_scores_fused`).
+        macro_rules! fused {
+            ($b:literal) => {
+                if const { fused_shape::<S>($b, 128) } {
+                    if generic::rope_fused_takes::<S, $b, 128>(head, rope) {
+                        // SAFETY: as below, and `rope_fused_takes` holds.
+                        unsafe {
+                            generic::rope_scores_fused::<S, $b, 128>(s, head, rope, p0, q, out)
+                        };
+                        return true;
+                    }
+                }
+            };
+        }
+        match head.layout().scheme().bits() {
+            2 => fused!(2),
+            4 => fused!(4),
+            8 => fused!(8),
+            _ => {}
+        }
         // SAFETY: `check_head` asserted the head's buffers and the lengths,
         // `rope_scores_on` the tables, `rope_takes` the shape; `s` proves
         // the features this body is compiled with.

@@ -1,5 +1,7 @@
 //! Scores of pre-RoPE keys (see `kernels/rope.rs`): unpack and dequantize
-//! a tile, turn it to its positions, dot it with every query.
+//! a tile, turn it to its positions, dot it with every query — through an
+//! L1 scratch for any shape, or in registers for the compiled per-channel
+//! shapes whose rotation covers the head ([`rope_scores_fused`]).
 
 use super::*;
 use crate::kernels::rope::{RopeRows, ROPE_LO, ROPE_SPILL};
@@ -221,6 +223,217 @@ impl<S: Simd> TileWork<S> for RopeWork<'_, '_, S> {
                 let o = i * self.t_all + t0;
                 store_lanes(s, r, &mut self.out[o..o + n]);
             }
+        }
+    }
+}
+
+/// Whether [`rope_scores_fused`] takes this head and rotation: per-channel
+/// codes whose rows unpack by shift and mask, and a rotation of every
+/// channel (partial rotary goes through the scratch).
+#[inline(always)]
+pub(crate) fn rope_fused_takes<S: Simd, const B: u8, const HD: usize>(
+    head: &PackedHead<'_>,
+    rope: &RopeRows<'_>,
+) -> bool {
+    let l = head.layout();
+    let g = Geo::new::<S, B, HD>(l.head_dim(), l.scheme().bits());
+    let full = if rope.adjacent { HD } else { HD / 2 };
+    HD > 0
+        && l.head_dim() == HD
+        && l.scheme().bits() == B
+        && l.scheme().axis() == Axis::PerChannel
+        && g.fast
+        && g.nch <= MAX_NCH
+        && rope.lanes == full
+        && rope_takes::<S>(head, rope)
+}
+
+/// [`rope_scores`] with each tile's rows unpacked, dequantized and turned
+/// in registers, then multiplied into every query at once (the fused
+/// kernels' partial sums and reduction): no scratch is written or read
+/// back, and the rotation of a token serves every query of the KV head.
+///
+/// # Safety
+/// As [`rope_scores`], and [`rope_fused_takes`]`::<S, B, HD>` holds.
+#[inline(always)]
+pub(crate) unsafe fn rope_scores_fused<S: Simd, const B: u8, const HD: usize>(
+    s: S,
+    head: &PackedHead<'_>,
+    rope: &RopeRows<'_>,
+    p0: usize,
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let p = Plan::new(head);
+    let l = head.layout();
+    let g = Geo::new::<S, B, HD>(l.head_dim(), l.scheme().bits());
+    let (hd, hdp, t_all) = (g.hd, g.hdp, p.tokens);
+    let nq = q.len() / hd;
+    if t_all == 0 {
+        return;
+    }
+    let mut idx = [0f32; 16];
+    for (k, v) in idx.iter_mut().enumerate() {
+        *v = f32::from_bits((k ^ 1) as u32);
+    }
+    // SAFETY: `idx` holds 16 ≥ L floats.
+    let swap = unsafe { s.load_i(idx.as_ptr()) };
+    let mut work = RopeWork::<S> {
+        rope,
+        p0,
+        swap,
+        q,
+        qr: Buf::new(q.len()),
+        qr_hi: usize::MAX,
+        nq,
+        hd,
+        nch: g.nch,
+        t_all,
+        out,
+    };
+    let mut accbuf = Buf::new(nq * S::T * S::L);
+    let gl = l.group_len();
+    let codes = head.codes().as_ptr();
+    let (mut sc, mut ze) = (Buf::new(hdp), Buf::new(hdp));
+    let pf = BlockAhead::new(head, true);
+    for k in 0..t_all.div_ceil(gl) {
+        pf.block(k);
+        block_params(s, head, &p, hd, k, sc.m(), ze.m());
+        let d = Rows {
+            sc: sc.s().as_ptr(),
+            ze: ze.s().as_ptr(),
+            stride: 0,
+        };
+        let t_end = ((k + 1) * gl).min(t_all);
+        let mut t0 = k * gl;
+        while t0 < t_end {
+            let n = S::T.min(t_end - t0);
+            let pos = p0 + t0;
+            let hi = pos / ROPE_LO;
+            if hi != work.qr_hi {
+                work.turn_queries_back(hi);
+            }
+            let lo0 = pos - hi * ROPE_LO;
+            debug_assert!(lo0 + n <= ROPE_LO + ROPE_SPILL && n <= ROPE_SPILL);
+            let ah = pf.tile(t0, n);
+            // SAFETY: rows `t0..t0 + n` are in the codes (`check_head`);
+            // `sc`/`ze` hold the block's `hdp` params; the fine rows
+            // `lo0..lo0 + n` exist (`lo0 < ROPE_LO`, `n ≤ T ≤ ROPE_SPILL`,
+            // `rope_scores_on`'s check); `qr` holds `nq` queries of
+            // `hd = hdp` floats; `accbuf` `nq·T` vectors.
+            unsafe {
+                fused_rope_tile::<S, B, HD>(
+                    s,
+                    g,
+                    codes.add(t0 * g.rb),
+                    n,
+                    d,
+                    rope,
+                    lo0,
+                    swap,
+                    work.qr.s().as_ptr(),
+                    nq,
+                    accbuf.m().as_mut_ptr(),
+                    ah,
+                );
+                for i in 0..nq {
+                    let r = reduce_query(s, accbuf.s().as_ptr(), i);
+                    let o = i * t_all + t0;
+                    store_lanes(s, r, &mut work.out[o..o + n]);
+                }
+            }
+            t0 += n;
+        }
+    }
+}
+
+/// One tile of [`rope_scores_fused`]: row `tt` unpacked and dequantized
+/// into registers, turned by fine row `lo0 + tt` (every channel: `HD/2`
+/// pair lanes, or `HD` adjacent lanes), multiplied into every query;
+/// partial sums to `accbuf[(i·T + tt)·L]`, rows `n..T` zero.
+///
+/// # Safety
+/// `rows` valid for `n` rows; `d` built for the block; fine rows
+/// `lo0..lo0 + n` exist; `q` valid for `nq·HD` floats, `accbuf` for
+/// `nq·T·L`; [`rope_fused_takes`] holds.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn fused_rope_tile<S: Simd, const B: u8, const HD: usize>(
+    s: S,
+    g: Geo,
+    rows: *const u8,
+    n: usize,
+    d: Rows,
+    rope: &RopeRows<'_>,
+    lo0: usize,
+    swap: S::I,
+    q: *const f32,
+    nq: usize,
+    accbuf: *mut f32,
+    ah: [Ahead; 2],
+) {
+    let (loc, los) = (rope.lo.0.as_ptr(), rope.lo.1.as_ptr());
+    let (lanes, adjacent) = (rope.lanes, rope.adjacent);
+    let (nch, half) = (g.nch, g.nch / 2);
+    // One query: its vectors in registers for the whole tile.
+    let mut q1 = [s.zero(); MAX_NCH];
+    if nq == 1 {
+        unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+            // SAFETY: `q` holds `HD = nch·L` floats.
+            q1[j] = unsafe { s.load(q.add(j * S::L)) };
+        });
+    }
+    for tt in 0..n {
+        ah[0].token(tt);
+        ah[1].token(tt);
+        // SAFETY: the caller's contract; row `tt < n`, vectors `j < nch`,
+        // fine row `lo0 + tt` of `lanes` floats, queries `i < nq`.
+        unsafe {
+            let row = rows.add(tt * g.rb);
+            let mut xs = [s.zero(); MAX_NCH];
+            unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                xs[j] = row_vec::<S, B, Rows, false>(s, g, d, row, tt, j);
+            });
+            let l = (lo0 + tt) * lanes;
+            if adjacent {
+                // `x'_c = x_c·C_c + x_{c^1}·S_c` (S negated on the first
+                // channel of a pair), as `rope_tile`.
+                unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                    let (c, sn) = (s.load(loc.add(l + j * S::L)), s.load(los.add(l + j * S::L)));
+                    let a = xs[j];
+                    xs[j] = s.fma(a, c, s.mul(s.permute(a, swap), sn));
+                });
+            } else {
+                // Pairs `(c, c + HD/2)`: vectors `j` and `j + nch/2`.
+                unroll!(cap = row_vectors::<S, HD>(); j in 0, half => {
+                    let (c, sn) = (s.load(loc.add(l + j * S::L)), s.load(los.add(l + j * S::L)));
+                    let (a, b) = (xs[j], xs[j + half]);
+                    xs[j] = s.sub(s.mul(a, c), s.mul(b, sn));
+                    xs[j + half] = s.fma(a, sn, s.mul(b, c));
+                });
+            }
+            if nq == 1 {
+                let mut a = [s.zero(); 2];
+                unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                    a[j % 2] = s.fma(xs[j], q1[j], a[j % 2]);
+                });
+                s.store(accbuf.add(tt * S::L), s.add(a[0], a[1]));
+            } else {
+                for i in 0..nq {
+                    let qi = q.add(i * HD);
+                    let mut a = [s.zero(); 2];
+                    unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                        a[j % 2] = s.fma(xs[j], s.load(qi.add(j * S::L)), a[j % 2]);
+                    });
+                    s.store(accbuf.add((i * S::T + tt) * S::L), s.add(a[0], a[1]));
+                }
+            }
+        }
+    }
+    for i in 0..nq {
+        for tt in n..S::T {
+            // SAFETY: `i < nq`, `tt < T`.
+            unsafe { s.store(accbuf.add((i * S::T + tt) * S::L), s.zero()) };
         }
     }
 }
