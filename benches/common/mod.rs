@@ -361,8 +361,9 @@ pub fn cache_cases<'a>(
             Box::new(move || build(base().keys(pc).values(pt).residual(128).sinks(4))),
         ),
         (
-            // KIVI-4 with keys stored before RoPE (decoded, rotated and
-            // scored by the dense kernel; values fused as usual).
+            // KIVI-4 with keys stored before RoPE (each row unpacked,
+            // dequantized and turned in registers, then scored; values
+            // fused as usual).
             "cache 4b-kivi32-prerope".into(),
             Box::new(move || {
                 let rope = kvq::Rope::new(500_000.0, hd, kvq::RopeStyle::Halves);
