@@ -79,31 +79,11 @@ pub(crate) unsafe fn rope_scores<S: Simd>(
     let p = Plan::new(head);
     let l = head.layout();
     let g = Geo::new::<S, 0, 0>(l.head_dim(), l.scheme().bits());
-    let (hd, hdp, t_all) = (g.hd, g.hdp, p.tokens);
-    let nq = q.len() / hd;
+    let (hdp, t_all) = (g.hdp, p.tokens);
     let mut scr = Buf::new(S::T * hdp);
     let mut u8buf = vec![0u8; hdp];
-    // Lane `k` of the swap reads lane `k ^ 1`: an adjacent pair's partner.
-    let mut idx = [0f32; 16];
-    for (k, v) in idx.iter_mut().enumerate() {
-        *v = f32::from_bits((k ^ 1) as u32);
-    }
-    // SAFETY: `idx` holds 16 ≥ L floats.
-    let swap = unsafe { s.load_i(idx.as_ptr()) };
     let codes = head.codes().as_ptr();
-    let mut work = RopeWork {
-        rope,
-        p0,
-        swap,
-        q,
-        qr: Buf::new(q.len()),
-        qr_hi: usize::MAX,
-        nq,
-        hd,
-        nch: g.nch,
-        t_all,
-        out,
-    };
+    let mut work = RopeWork::new(s, rope, p0, q, g, t_all, out);
     match l.scheme().axis() {
         // SAFETY: the caller's contract; the scratch and `u8buf` are
         // sized for `g`.
@@ -165,7 +145,40 @@ struct RopeWork<'a, 'r, S: Simd> {
     out: &'a mut [f32],
 }
 
-impl<S: Simd> RopeWork<'_, '_, S> {
+impl<'a, 'r, S: Simd> RopeWork<'a, 'r, S> {
+    /// The work of one call: `q` not yet turned back, the swap of
+    /// adjacent lanes built.
+    fn new(
+        s: S,
+        rope: &'a RopeRows<'r>,
+        p0: usize,
+        q: &'a [f32],
+        g: Geo,
+        t_all: usize,
+        out: &'a mut [f32],
+    ) -> Self {
+        // Lane `k` of the swap reads lane `k ^ 1`: an adjacent pair's partner.
+        let mut idx = [0f32; 16];
+        for (k, v) in idx.iter_mut().enumerate() {
+            *v = f32::from_bits((k ^ 1) as u32);
+        }
+        // SAFETY: `idx` holds 16 ≥ L floats.
+        let swap = unsafe { s.load_i(idx.as_ptr()) };
+        RopeWork {
+            rope,
+            p0,
+            swap,
+            q,
+            qr: Buf::new(q.len()),
+            qr_hi: usize::MAX,
+            nq: q.len() / g.hd,
+            hd: g.hd,
+            nch: g.nch,
+            t_all,
+            out,
+        }
+    }
+
     /// `qr = R(hi·ROPE_LO)ᵀ·q` for every query (the rotary lanes turned
     /// back, the rest copied).
     fn turn_queries_back(&mut self, hi: usize) {
@@ -272,25 +285,8 @@ pub(crate) unsafe fn rope_scores_fused<S: Simd, const B: u8, const HD: usize>(
     if t_all == 0 {
         return;
     }
-    let mut idx = [0f32; 16];
-    for (k, v) in idx.iter_mut().enumerate() {
-        *v = f32::from_bits((k ^ 1) as u32);
-    }
-    // SAFETY: `idx` holds 16 ≥ L floats.
-    let swap = unsafe { s.load_i(idx.as_ptr()) };
-    let mut work = RopeWork::<S> {
-        rope,
-        p0,
-        swap,
-        q,
-        qr: Buf::new(q.len()),
-        qr_hi: usize::MAX,
-        nq,
-        hd,
-        nch: g.nch,
-        t_all,
-        out,
-    };
+    let mut work = RopeWork::new(s, rope, p0, q, g, t_all, out);
+    let swap = work.swap;
     let mut accbuf = Buf::new(nq * S::T * S::L);
     let gl = l.group_len();
     let codes = head.codes().as_ptr();
