@@ -5,7 +5,7 @@ use super::*;
 /// Fused scores of up to `T` tokens: each row is unpacked (and
 /// dequantized by `d`) into registers and multiplied into every query at
 /// once; token `tt`'s partial sums for query `i` go to `accbuf[(i·T + tt)·L]`
-/// for [`reduce_queries`]. Rows `n..T` get zeros.
+/// for [`reduce_query`]. Rows `n..T` get zeros.
 ///
 /// # Safety
 /// `rows` valid for `n` rows; `q` for `nq·hdp` floats; `accbuf` for
@@ -91,18 +91,51 @@ pub(crate) unsafe fn fused_scores_tile<
                 unroll!(cap = row_vectors::<S, HD>(); j in 0, g.nch => {
                     xs[j] = row_vec::<S, B, D, NIB>(s, g, d, row, tt, j);
                 });
-                for i in 0..nq {
-                    let qi = q.add(i * g.hdp);
-                    let mut a = [s.zero(); 2];
-                    unroll!(cap = row_vectors::<S, HD>(); j in 0, g.nch => {
-                        a[j % 2] = s.fma(xs[j], s.load(qi.add(j * S::L)), a[j % 2]);
-                    });
-                    s.store(accbuf.add((i * S::T + tt) * S::L), s.add(a[0], a[1]));
-                }
+                row_into_queries::<S, HD>(s, &xs, g, q, nq, accbuf, tt);
             }
         }
         tt += 1;
     }
+    // SAFETY: the caller's contract.
+    unsafe { zero_tail(s, accbuf, nq, n) };
+}
+
+/// Row `tt`'s `nch` vectors `xs` multiplied into each of `nq` queries
+/// (`hdp` floats apart from `q`): the partial sums go to
+/// `accbuf[(i·T + tt)·L]` for [`reduce_query`].
+///
+/// # Safety
+/// `q` valid for `nq·hdp` floats, `accbuf` for `nq·T·L`; `tt < T`;
+/// `nch ≤ MAX_NCH`.
+#[inline(always)]
+pub(crate) unsafe fn row_into_queries<S: Simd, const HD: usize>(
+    s: S,
+    xs: &[S::F; MAX_NCH],
+    g: Geo,
+    q: *const f32,
+    nq: usize,
+    accbuf: *mut f32,
+    tt: usize,
+) {
+    for i in 0..nq {
+        // SAFETY: the caller's contract; vectors `j < nch`, queries `i < nq`.
+        unsafe {
+            let qi = q.add(i * g.hdp);
+            let mut a = [s.zero(); 2];
+            unroll!(cap = row_vectors::<S, HD>(); j in 0, g.nch => {
+                a[j % 2] = s.fma(xs[j], s.load(qi.add(j * S::L)), a[j % 2]);
+            });
+            s.store(accbuf.add((i * S::T + tt) * S::L), s.add(a[0], a[1]));
+        }
+    }
+}
+
+/// Zero the partial sums of tile rows `n..T` of every query.
+///
+/// # Safety
+/// `accbuf` valid for `nq·T·L` floats.
+#[inline(always)]
+pub(crate) unsafe fn zero_tail<S: Simd>(s: S, accbuf: *mut f32, nq: usize, n: usize) {
     for i in 0..nq {
         for tt in n..S::T {
             // SAFETY: `i < nq`, `tt < T`.

@@ -292,6 +292,9 @@ pub(crate) unsafe fn rope_scores_fused<S: Simd, const B: u8, const HD: usize>(
     let codes = head.codes().as_ptr();
     let (mut sc, mut ze) = (Buf::new(hdp), Buf::new(hdp));
     let pf = BlockAhead::new(head, true);
+    // The block walk of `channel_tiles`, written out: a closure would not
+    // inherit the target features of the kernel's trampoline, and its SIMD
+    // calls would not be inlined.
     for k in 0..t_all.div_ceil(gl) {
         pf.block(k);
         block_params(s, head, &p, hd, k, sc.m(), ze.m());
@@ -415,21 +418,10 @@ unsafe fn fused_rope_tile<S: Simd, const B: u8, const HD: usize>(
                 });
                 s.store(accbuf.add(tt * S::L), s.add(a[0], a[1]));
             } else {
-                for i in 0..nq {
-                    let qi = q.add(i * HD);
-                    let mut a = [s.zero(); 2];
-                    unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
-                        a[j % 2] = s.fma(xs[j], s.load(qi.add(j * S::L)), a[j % 2]);
-                    });
-                    s.store(accbuf.add((i * S::T + tt) * S::L), s.add(a[0], a[1]));
-                }
+                row_into_queries::<S, HD>(s, &xs, g, q, nq, accbuf, tt);
             }
         }
     }
-    for i in 0..nq {
-        for tt in n..S::T {
-            // SAFETY: `i < nq`, `tt < T`.
-            unsafe { s.store(accbuf.add((i * S::T + tt) * S::L), s.zero()) };
-        }
-    }
+    // SAFETY: the caller's contract.
+    unsafe { zero_tail(s, accbuf, nq, n) };
 }
