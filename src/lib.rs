@@ -111,8 +111,11 @@ pub use metrics::{AttentionErrors, MetricsConfig};
 pub use plan::{MemoryModel, Planner};
 pub use quant::{
     Codec, FittedLevels, Hadamard, KvCodec, KvQuantizer, Levels, Rotation, UniformQuantizer,
+    OUTLIER_LIMIT,
 };
-pub use scheme::{presets, Axis, Group, Layout, Mode, QuantScheme, Rounding, ScaleFormat};
+pub use scheme::{
+    presets, Axis, Group, Layout, Mode, QuantScheme, Rounding, ScaleFormat, OUTLIER_BYTES,
+};
 pub use store::{PackedBlock, PackedHead};
 
 /// The code blocks of `docs/INTEGRATION.md`, compiled and run as doctests.

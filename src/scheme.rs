@@ -554,7 +554,14 @@ pub struct Layout {
     head_dim: usize,
     /// Elements per group (channels per-token, tokens per-channel).
     group_len: usize,
+    /// Outlier entries per param set and head (0: none).
+    outliers: usize,
 }
+
+/// Bytes of one outlier entry: a little-endian `u16` position within its
+/// param set's elements, then the little-endian f16 correction added there
+/// (`docs/FORMAT.md`, section 4).
+pub const OUTLIER_BYTES: usize = 4;
 
 impl Layout {
     /// See [`QuantScheme::layout`].
@@ -585,7 +592,65 @@ impl Layout {
             n_kv_heads,
             head_dim,
             group_len,
+            outliers: 0,
         })
+    }
+
+    /// The same layout with `n` outlier entries per param set and head: a
+    /// side list of (position, correction) pairs beside each token's row
+    /// (per-token) or each block (per-channel).
+    ///
+    /// # Errors
+    /// [`Error::SchemeShape`] for `Group::Vector` (its params span every
+    /// head), for a param set of more than 65 536 elements (positions are
+    /// 16-bit) or for `n` above half the set's elements.
+    pub(crate) fn with_outliers(mut self, n: usize) -> Result<Self> {
+        let elems = self.block_tokens() * self.head_dim;
+        let why = if self.shared_params() && n > 0 {
+            Some("outliers are per head; a whole-vector group spans every head".to_string())
+        } else if n > 0 && elems > 1 << 16 {
+            Some(format!(
+                "a param set of {elems} elements: outlier positions are 16-bit"
+            ))
+        } else if n > elems / 2 {
+            Some(format!(
+                "{n} outliers in a param set of {elems} elements (at most half)"
+            ))
+        } else {
+            None
+        };
+        if let Some(what) = why {
+            return Err(Error::SchemeShape {
+                op: "Layout::with_outliers",
+                what,
+            });
+        }
+        self.outliers = n;
+        Ok(self)
+    }
+
+    /// Outlier entries per param set and head (0 for none): per-token, per
+    /// head row; per-channel, per head and block.
+    pub fn outliers(&self) -> usize {
+        self.outliers
+    }
+
+    /// Elements one param set covers in one head: `head_dim` per-token,
+    /// `block_tokens()·head_dim` per-channel (outlier positions index them
+    /// token-major).
+    pub fn set_elements(&self) -> usize {
+        self.block_tokens() * self.head_dim
+    }
+
+    /// Bytes of outlier entries for `tokens` tokens of one head (a partial
+    /// last per-channel block counts whole, as its params do).
+    pub fn head_outlier_bytes(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_tokens()) * self.outliers * OUTLIER_BYTES
+    }
+
+    /// Bytes of outlier entries for `tokens` tokens, all heads.
+    pub fn outlier_bytes(&self, tokens: usize) -> usize {
+        self.n_kv_heads * self.head_outlier_bytes(tokens)
     }
 
     /// The scheme.
@@ -668,7 +733,7 @@ impl Layout {
     /// Total bytes for `tokens` tokens: exactly what a
     /// [`PackedBlock`](crate::PackedBlock) of that many tokens allocates.
     pub fn bytes(&self, tokens: usize) -> usize {
-        self.code_bytes(tokens) + self.param_bytes(tokens)
+        self.code_bytes(tokens) + self.param_bytes(tokens) + self.outlier_bytes(tokens)
     }
     /// [`bytes`](Self::bytes), or `None` when a size overflows `usize`
     /// (for sizes that come from outside: headers, `from_parts`).
@@ -687,7 +752,11 @@ impl Layout {
                 .checked_mul(pb)?
                 .checked_mul(self.n_kv_heads)?,
         };
-        codes.checked_add(params)
+        let outliers = tokens
+            .div_ceil(self.block_tokens())
+            .checked_mul(self.outliers * OUTLIER_BYTES)?
+            .checked_mul(self.n_kv_heads)?;
+        codes.checked_add(params)?.checked_add(outliers)
     }
     /// Bytes per token for per-token schemes; per-channel, the bytes of one
     /// full block divided by its tokens (exact when it divides).
@@ -695,10 +764,12 @@ impl Layout {
         let t = self.block_tokens();
         self.bytes(t) as f64 / t as f64
     }
-    /// Bits per stored element, counting scale/zero overhead:
-    /// `bits + param_bits / group_len`.
+    /// Bits per stored element, counting scale/zero overhead and outlier
+    /// entries: `bits + param_bits / group_len + outlier_bits / set_elements`.
     pub fn effective_bits(&self) -> f64 {
-        self.scheme.bits as f64 + (self.scheme.param_bytes() * 8) as f64 / self.group_len as f64
+        self.scheme.bits as f64
+            + (self.scheme.param_bytes() * 8) as f64 / self.group_len as f64
+            + (self.outliers * OUTLIER_BYTES * 8) as f64 / self.set_elements() as f64
     }
     /// Compression against an f16 cache, `16 / effective_bits`.
     pub fn compression_vs_f16(&self) -> f64 {

@@ -52,6 +52,14 @@ impl PackedBlock {
     ) -> Result<Self> {
         let op = "PackedBlock::from_parts";
         check_fits(op, &layout, tokens)?;
+        if layout.outliers() > 0 {
+            return Err(Error::InvalidConfig {
+                op,
+                what: "a packed block holds no outlier entries; a codec with outliers stores \
+                       them in a cache"
+                    .into(),
+            });
+        }
         crate::quant::check_len(op, "bytes of codes", layout.code_bytes(tokens), codes.len())?;
         crate::quant::check_len(
             op,
@@ -113,6 +121,7 @@ impl PackedBlock {
             tokens: self.tokens,
             codes: &self.codes[h * cb..(h + 1) * cb],
             params,
+            outliers: &[],
         }
     }
 
@@ -508,14 +517,17 @@ pub(crate) fn validate_params(op: &'static str, l: &Layout, params: &[u8]) -> Re
 /// One KV head of packed storage: what the kernels read.
 ///
 /// `codes` holds `tokens` rows of [`Layout::row_bytes`]; `params` holds the
-/// head's param sets (see [`PackedBlock`]). Made by [`PackedBlock::head`],
-/// by the cache, or by [`PackedHead::new`] over an engine's own buffers.
+/// head's param sets (see [`PackedBlock`]); `outliers` the head's outlier
+/// entries, [`Layout::outliers`] per param set (empty for layouts without).
+/// Made by [`PackedBlock::head`], by the cache, or by [`PackedHead::new`]
+/// over an engine's own buffers.
 #[derive(Debug, Clone, Copy)]
 pub struct PackedHead<'a> {
     pub(crate) layout: Layout,
     pub(crate) tokens: usize,
     pub(crate) codes: &'a [u8],
     pub(crate) params: &'a [u8],
+    pub(crate) outliers: &'a [u8],
 }
 
 impl<'a> PackedHead<'a> {
@@ -526,8 +538,30 @@ impl<'a> PackedHead<'a> {
     /// `tokens` tokens of one head; [`Error::InvalidShape`] when that size
     /// overflows `usize`.
     pub fn new(layout: Layout, tokens: usize, codes: &'a [u8], params: &'a [u8]) -> Result<Self> {
+        Self::with_outliers(layout, tokens, codes, params, &[])
+    }
+
+    /// A view over buffers laid out as `docs/FORMAT.md` says, with the
+    /// head's outlier entries (`docs/FORMAT.md`, section 4).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new), and [`Error::Length`] when `outliers` is not
+    /// [`Layout::head_outlier_bytes`] long.
+    pub fn with_outliers(
+        layout: Layout,
+        tokens: usize,
+        codes: &'a [u8],
+        params: &'a [u8],
+        outliers: &'a [u8],
+    ) -> Result<Self> {
         let op = "PackedHead::new";
         check_fits(op, &layout, tokens)?;
+        crate::quant::check_len(
+            op,
+            "bytes of outliers",
+            layout.head_outlier_bytes(tokens),
+            outliers.len(),
+        )?;
         crate::quant::check_len(
             op,
             "bytes of codes",
@@ -545,6 +579,7 @@ impl<'a> PackedHead<'a> {
             tokens,
             codes,
             params,
+            outliers,
         })
     }
 
@@ -563,6 +598,20 @@ impl<'a> PackedHead<'a> {
     /// The param sets.
     pub fn params(&self) -> &'a [u8] {
         self.params
+    }
+    /// The outlier entries ([`Layout::outliers`] per param set).
+    pub fn outliers(&self) -> &'a [u8] {
+        self.outliers
+    }
+
+    /// The view without its outlier entries: the grid alone, as kernels
+    /// that know only the grid read it.
+    pub(crate) fn grid(&self) -> PackedHead<'a> {
+        PackedHead {
+            layout: self.layout.with_outliers(0).unwrap_or(self.layout),
+            outliers: &[],
+            ..*self
+        }
     }
 
     /// Groups in one param set: per-token groups of a row, or `head_dim`
@@ -653,5 +702,6 @@ impl<'a> PackedHead<'a> {
                 }
             }
         }
+        crate::quant::outliers::add_to_rows(self, out);
     }
 }

@@ -217,7 +217,7 @@ fn pack(c: Codec, rows: &[f32], n_kv: usize, hd: usize) -> Packed {
     let (mut tc, mut tp) = (vec![0u8; n_kv * rb], vec![0u8; n_kv * pb]);
     for (t, row) in rows.chunks_exact(n_kv * hd).enumerate() {
         codec
-            .encode_token(Backend::Portable, row, t, &mut tc, &mut tp)
+            .encode_token(Backend::Portable, row, t, &mut tc, &mut tp, &mut [])
             .unwrap();
         for h in 0..n_kv {
             codes[h].extend_from_slice(&tc[h * rb..(h + 1) * rb]);
@@ -527,7 +527,7 @@ fn iq4_nl_is_ggml_value_for_value() {
     for v in iq4nl::IQ4NL_VECTORS {
         let x: Vec<f32> = v.x.iter().map(|&b| f32::from_bits(b)).collect();
         let (mut codes, mut params) = ([0u8; 16], [0u8; 2]);
-        let r = codec.encode_token(Backend::Portable, &x, 0, &mut codes, &mut params);
+        let r = codec.encode_token(Backend::Portable, &x, 0, &mut codes, &mut params, &mut []);
         if f16_bits_inf(v.d) {
             assert!(
                 matches!(r, Err(Error::ScaleOverflow { .. })),

@@ -112,6 +112,11 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
         (pc(4, 64), r[3]),
         (pc(4, 32), r[2]),
         (pc(3, 32), r[0]),
+        // Outliers: the fused kernel on the grid, then each entry's share
+        // of the rotated key; partial rotary leaves some entries unrotated.
+        (pc(2, 32).with_outliers(0.01).unwrap(), r[1]),
+        (pc(4, 32).with_outliers(0.02).unwrap(), r[2]),
+        (pc(3, 64).with_outliers(0.01).unwrap(), r[0]),
     ];
     for backend in backends() {
         for (ki, (key, rope)) in keys.into_iter().enumerate() {

@@ -136,6 +136,7 @@ pub(super) fn sub_view(view: PackedHead<'_>, t0: usize, t1: usize) -> PackedHead
         tokens: t1 - t0,
         codes: &view.codes[l.head_code_bytes(t0)..l.head_code_bytes(t1)],
         params: &view.params[pb(t0)..pb(t1)],
+        outliers: &view.outliers[l.head_outlier_bytes(t0)..l.head_outlier_bytes(t1)],
     }
 }
 

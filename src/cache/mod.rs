@@ -106,6 +106,7 @@ struct Scratch {
     v: Vec<f32>,
     codes: Vec<u8>,
     params: Vec<u8>,
+    outliers: Vec<u8>,
     /// Working copies of the K and V running ranges (min, max) for a
     /// call, swapped in on success (reused, so an append allocates nothing).
     pend: [Pending; 2],
@@ -1280,12 +1281,19 @@ impl LayerCache {
                 // section at once.
                 let s = uninit_len(tmp, rows * sec.len);
                 let rr = rope.rows();
-                if kernels::rope::rope_scores_on(self.backend, view, &rr, sec.start, q, s) {
+                if kernels::rope::rope_scores_on(self.backend, &view.grid(), &rr, sec.start, q, s) {
                     let off = sec.start - a;
                     for i in 0..rows {
                         out[i * width + off..i * width + off + sec.len]
                             .copy_from_slice(&s[i * sec.len..(i + 1) * sec.len]);
                     }
+                    // Outliers: each entry's share of the rotated key.
+                    crate::quant::outliers::for_each(view, |t, c, r| {
+                        for i in 0..rows {
+                            out[i * width + off + t] +=
+                                rope.score_of(&q[i * hd..(i + 1) * hd], sec.start + t, c, r);
+                        }
+                    });
                     continue;
                 }
             }

@@ -23,22 +23,32 @@ pub(super) const PAGE_TOKENS: usize = 4096;
 pub const MAX_PAGE_TOKENS: usize = 1 << 20;
 
 /// One page's buffers: codes per head, params per head (or one buffer
-/// for schemes that share them across heads).
+/// for schemes that share them across heads), and outlier entries per
+/// head (none for formats without).
 #[derive(Debug)]
 pub(super) struct Page {
     pub(super) codes: Vec<Vec<u8>>,
     pub(super) params: Vec<Vec<u8>>,
+    pub(super) outliers: Vec<Vec<u8>>,
     /// The pool the buffers belong to, the bytes of them it was last told
-    /// are filled, and each code and param buffer's size.
+    /// are filled, and each code, param and outlier buffer's size.
     home: Option<Arc<PoolInner>>,
     counted: usize,
-    sizes: (usize, usize),
+    sizes: [usize; 3],
 }
+
+/// Byte ranges of a page's three kinds of buffers.
+pub(super) type Ranges = [std::ops::Range<usize>; 3];
 
 impl Page {
     /// Bytes filled.
     fn filled(&self) -> usize {
-        self.codes.iter().chain(&self.params).map(Vec::len).sum()
+        self.codes
+            .iter()
+            .chain(&self.params)
+            .chain(&self.outliers)
+            .map(Vec::len)
+            .sum()
     }
 
     /// Tell the pool how many bytes are filled now (after a write).
@@ -54,30 +64,31 @@ impl Page {
         }
     }
 
-    /// Append bytes `c` of each of `codes` to the code buffers and bytes
-    /// `p` of each of `params` to the param buffers.
-    pub(super) fn extend_from(
-        &mut self,
-        codes: &[Vec<u8>],
-        params: &[Vec<u8>],
-        c: std::ops::Range<usize>,
-        p: std::ops::Range<usize>,
-    ) {
-        for (d, s) in self.codes.iter_mut().zip(codes) {
-            d.extend_from_slice(&s[c.clone()]);
-        }
-        for (d, s) in self.params.iter_mut().zip(params) {
-            d.extend_from_slice(&s[p.clone()]);
+    /// Append range `r[0]` of each of `src[0]` to the code buffers, `r[1]`
+    /// of each of `src[1]` to the param buffers and `r[2]` of each of
+    /// `src[2]` to the outlier buffers.
+    pub(super) fn extend_from(&mut self, src: [&[Vec<u8>]; 3], r: &Ranges) {
+        let dst = [&mut self.codes, &mut self.params, &mut self.outliers];
+        for ((d, s), r) in dst.into_iter().zip(src).zip(r) {
+            for (d, s) in d.iter_mut().zip(s) {
+                d.extend_from_slice(&s[r.clone()]);
+            }
         }
         self.sync();
     }
 
-    /// Keep the first `cb` code bytes of every head and `pb` bytes of
-    /// every param buffer.
-    pub(super) fn truncate(&mut self, cb: usize, pb: usize) {
-        self.codes.iter_mut().for_each(|c| c.truncate(cb));
-        self.params.iter_mut().for_each(|p| p.truncate(pb));
+    /// Keep the first `n[0]` code bytes of every head, `n[1]` bytes of
+    /// every param buffer and `n[2]` of every outlier buffer.
+    pub(super) fn truncate(&mut self, n: [usize; 3]) {
+        self.codes.iter_mut().for_each(|c| c.truncate(n[0]));
+        self.params.iter_mut().for_each(|p| p.truncate(n[1]));
+        self.outliers.iter_mut().for_each(|p| p.truncate(n[2]));
         self.sync();
+    }
+
+    /// The three kinds of buffers, for copying from.
+    pub(super) fn bufs(&self) -> [&[Vec<u8>]; 3] {
+        [&self.codes, &self.params, &self.outliers]
     }
 
     /// Whether the pool supplied it (its buffers are a whole page).
@@ -91,7 +102,7 @@ impl Drop for Page {
         let Some(p) = self.home.take() else { return };
         p.stored.fetch_sub(self.counted, Relaxed);
         p.pages.fetch_sub(1, Relaxed);
-        let (cb, pb) = self.sizes;
+        let [cb, pb, ob] = self.sizes;
         let bufs = std::mem::take(&mut self.codes)
             .into_iter()
             .map(|b| (b, cb))
@@ -99,6 +110,11 @@ impl Drop for Page {
                 std::mem::take(&mut self.params)
                     .into_iter()
                     .map(|b| (b, pb)),
+            )
+            .chain(
+                std::mem::take(&mut self.outliers)
+                    .into_iter()
+                    .map(|b| (b, ob)),
             );
         let mut free = p.free.lock().unwrap_or_else(|e| e.into_inner());
         for (mut b, cap) in bufs {
@@ -377,24 +393,21 @@ pub(super) fn page_tokens(pool: Option<&Arc<PoolInner>>, unit: usize) -> usize {
     want.div_ceil(unit).saturating_mul(unit)
 }
 
-/// A new empty page with `nc` code buffers of `cb` bytes and `np` param
-/// buffers of `pb` bytes each: whole, from the ticket's pool, or empty
+/// A new empty page with `n[i]` buffers of `size[i]` bytes each for codes,
+/// params and outlier entries: whole, from the ticket's pool, or empty
 /// (grown as filled) outside a pool.
-pub(super) fn new_page(
-    ticket: &mut Ticket,
-    (nc, cb): (usize, usize),
-    (np, pb): (usize, usize),
-) -> Page {
+pub(super) fn new_page(ticket: &mut Ticket, n: [usize; 3], size: [usize; 3]) -> Page {
     let Some(p) = ticket.pool.clone() else {
         return Page {
-            codes: vec![Vec::new(); nc],
-            params: vec![Vec::new(); np],
+            codes: vec![Vec::new(); n[0]],
+            params: vec![Vec::new(); n[1]],
+            outliers: vec![Vec::new(); n[2]],
             home: None,
             counted: 0,
-            sizes: (0, 0),
+            sizes: [0; 3],
         };
     };
-    let bytes = nc * cb + np * pb;
+    let bytes = n[0] * size[0] + n[1] * size[1] + n[2] * size[2];
     // The reservation covers the page; a ticket short of it (a count
     // that missed a page) takes the bytes beyond it anyway rather than
     // fail half way through a write.
@@ -411,8 +424,9 @@ pub(super) fn new_page(
         }
         None => Vec::with_capacity(cap),
     };
-    let codes = (0..nc).map(|_| take(cb)).collect();
-    let params = (0..np).map(|_| take(pb)).collect();
+    let codes = (0..n[0]).map(|_| take(size[0])).collect();
+    let params = (0..n[1]).map(|_| take(size[1])).collect();
+    let outliers = (0..n[2]).map(|_| take(size[2])).collect();
     // Keep what the pool holds within its capacity: kept buffers are let
     // go until it fits.
     let over = (p.used.load(Relaxed).saturating_add(free.bytes)).saturating_sub(p.capacity);
@@ -430,8 +444,9 @@ pub(super) fn new_page(
     Page {
         codes,
         params,
+        outliers,
         home: Some(p),
         counted: 0,
-        sizes: (cb, pb),
+        sizes: size,
     }
 }

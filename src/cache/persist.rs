@@ -62,7 +62,8 @@ struct CodecTag {
     /// `0` none, `1` Hadamard.
     rotation: u8,
     group_size: u32,
-    /// Bit 0: the int8 kernels read it.
+    /// Bit 0: the int8 kernels read it; bits 16–31: the share of values
+    /// kept as outliers, in 1/10 000 (0: none).
     flags: u32,
 }
 
@@ -309,7 +310,7 @@ fn codec_tag(c: Option<Codec>) -> CodecTag {
             Rotation::Hadamard => 1,
         },
         group_size: b.group_size.to_le(),
-        flags: u32::from(c.int8_kernels()).to_le(),
+        flags: (u32::from(c.int8_kernels()) | u32::from(c.outlier_share()) << 16).to_le(),
     }
 }
 
@@ -416,7 +417,8 @@ fn tag_codec(
         x => return Err(format!("{what}: rotation byte {x}")),
     };
     let flags = u32::from_le(t.flags);
-    if flags > 1 {
+    let share = flags >> 16;
+    if flags & 0xfffe != 0 || share > crate::quant::outliers::PER / 2 {
         return Err(format!("{what}: codec flags {flags:#x}"));
     }
     let codec = match levels {
@@ -424,7 +426,10 @@ fn tag_codec(
         Some(l) => Codec::codebook(scheme, l),
     };
     Ok(Some(
-        codec.with_rotation(rotation).with_int8_kernels(flags == 1),
+        codec
+            .with_rotation(rotation)
+            .with_int8_kernels(flags & 1 == 1)
+            .with_outlier_share(share as u16),
     ))
 }
 
@@ -442,6 +447,9 @@ impl Tensor {
         }
         for i in 0..self.n_params {
             o.put(&self.param_buf(i))?;
+        }
+        for h in 0..self.n_codes {
+            o.put(&self.outlier_buf(h))?;
         }
         o.put_f32(self.tail_slice())
     }
@@ -501,10 +509,21 @@ impl Tensor {
                 validate_params(op, &l, &p)?;
                 params.push(p);
             }
+            let outliers = if l.outliers() > 0 {
+                (0..self.n_codes)
+                    .map(|_| {
+                        let o = i.take(l.head_outlier_bytes(packed), "outliers")?;
+                        crate::quant::outliers::validate(op, &l, &o)?;
+                        Ok(o)
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            } else {
+                Vec::new()
+            };
             let pages = packed.div_ceil(self.page);
             let need = pages.saturating_mul(self.page_bytes());
             let mut ticket = reserve(op, self.pool.as_ref(), need)?;
-            self.set_packed(&codes, &params, packed, &mut ticket);
+            self.set_packed([&codes, &params, &outliers], packed, &mut ticket);
         }
         let tail_len = rows(tail_rows)?;
         let tail = i.take_f32(tail_len, "full-precision rows")?;

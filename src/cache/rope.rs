@@ -292,6 +292,34 @@ impl RopeTable {
         }
     }
 
+    /// `q·R(p)·(r·e_c)`: the score a value `r` at channel `c` of a
+    /// pre-RoPE key adds once the key is rotated to position `p` (an
+    /// outlier's correction, for one query head `q`).
+    ///
+    /// # Panics
+    /// If the table does not cover `p` ([`ensure`](Self::ensure)).
+    pub(super) fn score_of(&self, q: &[f32], p: usize, c: usize, r: f32) -> f32 {
+        let dims = self.rope.dims;
+        let (i, first) = match self.rope.style {
+            _ if c >= dims => return q[c] * r,
+            RopeStyle::Halves if c < dims / 2 => (c, true),
+            RopeStyle::Halves => (c - dims / 2, false),
+            RopeStyle::Adjacent => (c / 2, c.is_multiple_of(2)),
+        };
+        let lanes = self.lanes();
+        // Adjacent pairs: the second channel's lane holds `+sin`.
+        let lane = if self.adjacent() { 2 * i + 1 } else { i };
+        let (h, l) = ((p / LO) * lanes + lane, (p % LO) * lanes + lane);
+        let (hc, hs, lc, ls) = (self.hi.0[h], self.hi.1[h], self.lo.0[l], self.lo.1[l]);
+        let (cos, sin) = (hc * lc - hs * ls, hs * lc + hc * ls);
+        let (a, b) = self.rope.pair(i);
+        if first {
+            r * (q[a] * cos + q[b] * sin)
+        } else {
+            r * (q[b] * cos - q[a] * sin)
+        }
+    }
+
     /// Rotate `n` rows of one head (`hd` channels each, `rows` holding
     /// `n·hd`) to positions `p0..p0 + n` (the kernels' rotation, scalar).
     ///

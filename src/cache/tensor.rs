@@ -63,6 +63,7 @@ impl PartialEq for Tensor {
             && self.packed == o.packed
             && (0..self.n_codes).all(|h| self.head_codes(h) == o.head_codes(h))
             && (0..self.n_params).all(|i| self.param_buf(i) == o.param_buf(i))
+            && (0..self.n_codes).all(|h| self.outlier_buf(h) == o.outlier_buf(h))
             && (!self.pending_live() || self.pend == o.pend)
     }
 }
@@ -320,7 +321,7 @@ impl Tensor {
         let np = self.n_params;
         if let (Some(l), Some(seg)) = (self.layout(), self.pages.last_mut()) {
             if let Some(p) = Arc::get_mut(&mut seg.data) {
-                p.truncate(l.head_code_bytes(seg.tokens), param_len(&l, np, seg.tokens));
+                p.truncate(buf_lens(&l, np, seg.tokens));
             }
         }
     }
@@ -362,22 +363,19 @@ impl Tensor {
     /// new one.
     fn writable_page(&mut self, l: &Layout, ticket: &mut Ticket) {
         let np = self.n_params;
-        let sizes = (
-            (self.n_codes, l.head_code_bytes(self.page)),
-            (np, param_len(l, np, self.page)),
-        );
+        let (n, size) = (self.buf_counts(l), buf_lens(l, np, self.page));
         if self.pages.last().is_none_or(|s| s.tokens == self.page) {
-            let data = Arc::new(new_page(ticket, sizes.0, sizes.1));
+            let data = Arc::new(new_page(ticket, n, size));
             self.pages.push(Segment { data, tokens: 0 });
         }
         let seg = self.pages.last_mut().expect("a page was just ensured");
-        let (tc, tp) = (l.head_code_bytes(seg.tokens), param_len(l, np, seg.tokens));
+        let now = buf_lens(l, np, seg.tokens);
         match Arc::get_mut(&mut seg.data) {
             // Bytes past this tensor's share are from before a truncate.
-            Some(p) => p.truncate(tc, tp),
+            Some(p) => p.truncate(now),
             None => {
-                let mut p = new_page(ticket, sizes.0, sizes.1);
-                p.extend_from(&seg.data.codes, &seg.data.params, 0..tc, 0..tp);
+                let mut p = new_page(ticket, n, size);
+                p.extend_from(seg.data.bufs(), &now.map(|b| 0..b));
                 seg.data = Arc::new(p);
             }
         }
@@ -399,38 +397,35 @@ impl Tensor {
                 v.reserve_exact(cap - v.len());
             }
         };
-        let pl = |t: usize| param_len(l, np, t);
-        let cb = l.head_code_bytes(live + unit) - l.head_code_bytes(live);
-        let pb = pl(live + unit) - pl(live);
-        let (cp, pp) = (l.head_code_bytes(page), pl(page));
-        for v in &mut p.codes {
-            grow(v, cb, cp);
-        }
-        for v in &mut p.params {
-            grow(v, pb, pp);
+        let (a, b, whole) = (
+            buf_lens(l, np, live),
+            buf_lens(l, np, live + unit),
+            buf_lens(l, np, page),
+        );
+        for (i, bufs) in [&mut p.codes, &mut p.params, &mut p.outliers]
+            .into_iter()
+            .enumerate()
+        {
+            for v in bufs {
+                grow(v, b[i] - a[i], whole[i]);
+            }
         }
     }
 
-    /// Set the packed tokens to `packed`, whose codes per head and param
+    /// Set the packed tokens to `packed`, whose codes, param and outlier
     /// buffers are given whole (as a load reads them), split into pages.
-    pub(super) fn set_packed(
-        &mut self,
-        codes: &[Vec<u8>],
-        params: &[Vec<u8>],
-        packed: usize,
-        ticket: &mut Ticket,
-    ) {
+    pub(super) fn set_packed(&mut self, bufs: [&[Vec<u8>]; 3], packed: usize, ticket: &mut Ticket) {
         self.pages.clear();
         self.packed = packed;
         let Some(l) = self.layout() else { return };
-        let (cb, pb) = (l.head_code_bytes(self.page), self.param_len(&l, self.page));
+        let np = self.n_params;
+        let (n, size) = (self.buf_counts(&l), buf_lens(&l, np, self.page));
         let mut t0 = 0;
         while t0 < packed {
             let t = self.page.min(packed - t0);
-            let mut p = new_page(ticket, (self.n_codes, cb), (self.n_params, pb));
-            let (c0, c1) = (l.head_code_bytes(t0), l.head_code_bytes(t0 + t));
-            let (p0, p1) = (self.param_len(&l, t0), self.param_len(&l, t0 + t));
-            p.extend_from(codes, params, c0..c1, p0..p1);
+            let mut p = new_page(ticket, n, size);
+            let (a, b) = (buf_lens(&l, np, t0), buf_lens(&l, np, t0 + t));
+            p.extend_from(bufs, &[a[0]..b[0], a[1]..b[1], a[2]..b[2]]);
             self.pages.push(Segment {
                 data: Arc::new(p),
                 tokens: t,
@@ -442,6 +437,12 @@ impl Tensor {
     /// Bytes of param buffer `i` for `t` tokens.
     fn param_len(&self, l: &Layout, t: usize) -> usize {
         param_len(l, self.n_params, t)
+    }
+
+    /// How many code, param and outlier buffers a page holds.
+    pub(super) fn buf_counts(&self, l: &Layout) -> [usize; 3] {
+        let no = if l.outliers() > 0 { self.n_codes } else { 0 };
+        [self.n_codes, self.n_params, no]
     }
 
     /// Head `h`'s packed tokens as views, one per page, each with its
@@ -483,8 +484,12 @@ impl Tensor {
                 let t = seg.tokens;
                 let codes = &seg.data.codes[h][..l.head_code_bytes(t)];
                 let params = &seg.data.params[pi][..self.param_len(&l, t)];
-                let v =
-                    PackedHead::new(l, t, codes, params).expect("cache keeps consistent buffers");
+                let outliers = match seg.data.outliers.get(h) {
+                    Some(o) => &o[..l.head_outlier_bytes(t)],
+                    None => &[],
+                };
+                let v = PackedHead::with_outliers(l, t, codes, params, outliers)
+                    .expect("cache keeps consistent buffers");
                 (s0, v)
             })
     }
@@ -513,6 +518,19 @@ impl Tensor {
         out
     }
 
+    /// Head `h`'s outlier entries, all pages in order (empty for formats
+    /// without).
+    pub(super) fn outlier_buf(&self, h: usize) -> Vec<u8> {
+        let Some(l) = self.layout().filter(|l| l.outliers() > 0) else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(l.head_outlier_bytes(self.packed));
+        for seg in &self.pages {
+            out.extend_from_slice(&seg.data.outliers[h][..l.head_outlier_bytes(seg.tokens)]);
+        }
+        out
+    }
+
     /// Bytes this tensor holds alone: its sink and residual rows (pages
     /// are in [`segments`](Self::segments)).
     pub(super) fn own_bytes(&self) -> CacheBytes {
@@ -530,7 +548,7 @@ impl Tensor {
             let d = &seg.data;
             let bytes = CacheBytes {
                 codes: d.codes.iter().map(Vec::len).sum(),
-                params: d.params.iter().map(Vec::len).sum(),
+                params: d.params.iter().chain(&d.outliers).map(Vec::len).sum(),
                 full_precision: 0,
             };
             (Arc::as_ptr(d), bytes)
@@ -612,12 +630,14 @@ impl Tensor {
             Axis::PerToken => {
                 scratch.codes.resize(l.n_kv_heads() * rb, 0);
                 scratch.params.resize(l.param_bytes(1), 0);
+                scratch.outliers.resize(l.outlier_bytes(1), 0);
                 c.encode_token(
                     backend,
                     rows,
                     token,
                     &mut scratch.codes,
                     &mut scratch.params,
+                    &mut scratch.outliers,
                 )
                 .expect("scales were checked when the token was appended");
                 for (h, c) in p.codes.iter_mut().enumerate() {
@@ -627,10 +647,15 @@ impl Tensor {
                 for (h, b) in p.params.iter_mut().enumerate() {
                     b.extend_from_slice(&scratch.params[h * per..(h + 1) * per]);
                 }
+                let ob = l.head_outlier_bytes(1);
+                for (h, b) in p.outliers.iter_mut().enumerate() {
+                    b.extend_from_slice(&scratch.outliers[h * ob..(h + 1) * ob]);
+                }
             }
             Axis::PerChannel => {
                 scratch.codes.resize(unit * rb, 0);
                 scratch.params.resize(l.head_param_bytes(unit), 0);
+                scratch.outliers.resize(l.head_outlier_bytes(unit), 0);
                 for h in 0..l.n_kv_heads() {
                     c.encode_block(
                         backend,
@@ -640,10 +665,14 @@ impl Tensor {
                         token,
                         &mut scratch.codes,
                         &mut scratch.params,
+                        &mut scratch.outliers,
                     )
                     .expect("scales were checked when the tokens were appended");
                     p.codes[h].extend_from_slice(&scratch.codes);
                     p.params[h].extend_from_slice(&scratch.params);
+                    if let Some(o) = p.outliers.get_mut(h) {
+                        o.extend_from_slice(&scratch.outliers);
+                    }
                 }
             }
         }
@@ -702,8 +731,9 @@ impl Tensor {
         let l = self.layout();
         CacheBytes {
             codes: l.map_or(0, |l| l.code_bytes(self.packed)),
-            params: l.map_or(0, |l| l.param_bytes(self.packed))
-                + self.codec.as_ref().map_or(0, |c| c.spec().table_bytes()),
+            params: l.map_or(0, |l| {
+                l.param_bytes(self.packed) + l.outlier_bytes(self.packed)
+            }) + self.codec.as_ref().map_or(0, |c| c.spec().table_bytes()),
             full_precision: (self.sink.len() + self.tail_rows() * self.width) * 4,
         }
     }
@@ -748,4 +778,13 @@ impl Tensor {
 /// Bytes of each of `np` param buffers for `t` tokens of layout `l`.
 fn param_len(l: &Layout, np: usize, t: usize) -> usize {
     l.param_bytes(t) / np
+}
+
+/// Bytes of each code, param and outlier buffer for `t` tokens.
+fn buf_lens(l: &Layout, np: usize, t: usize) -> [usize; 3] {
+    [
+        l.head_code_bytes(t),
+        param_len(l, np, t),
+        l.head_outlier_bytes(t),
+    ]
 }

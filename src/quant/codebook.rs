@@ -762,6 +762,7 @@ impl KvCodec for CodebookCodec {
         token: usize,
         codes: &mut [u8],
         params: &mut [u8],
+        _outliers: &mut [u8],
     ) -> Result<()> {
         let l = &self.layout;
         let s = l.scheme();
@@ -803,6 +804,7 @@ impl KvCodec for CodebookCodec {
         _token0: usize,
         _codes: &mut [u8],
         _params: &mut [u8],
+        _outliers: &mut [u8],
     ) -> Result<()> {
         Err(Error::InvalidConfig {
             op: "CodebookCodec::encode_block",

@@ -18,6 +18,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::codebook::{CodebookCodec, FittedLevels, Levels};
+use super::outliers::Sparse;
 use super::rotation::Hadamard;
 use super::{group_params, min_max, quantize_channel_block, quantize_token, safe_abs};
 use crate::error::{Error, Result};
@@ -106,7 +107,9 @@ pub trait KvCodec: fmt::Debug + Send + Sync {
     ) -> Result<()>;
 
     /// Encode one token's row (per-token formats) into `codes`
-    /// (`[n_kv_heads, row_bytes]`) and `params` (its params).
+    /// (`[n_kv_heads, row_bytes]`), `params` (its params) and `outliers`
+    /// (`[n_kv_heads, `[`Layout::head_outlier_bytes`]`(1)]`, empty for a
+    /// layout without outliers).
     ///
     /// # Errors
     /// As [`check`](Self::check); never for checked rows.
@@ -117,10 +120,11 @@ pub trait KvCodec: fmt::Debug + Send + Sync {
         token: usize,
         codes: &mut [u8],
         params: &mut [u8],
+        outliers: &mut [u8],
     ) -> Result<()>;
 
     /// Encode head `head` of a completed block of `rows` (per-channel
-    /// formats) into `codes` and `params`.
+    /// formats) into `codes`, `params` and `outliers` (the head's block).
     ///
     /// # Errors
     /// As [`check`](Self::check); never for checked rows.
@@ -134,6 +138,7 @@ pub trait KvCodec: fmt::Debug + Send + Sync {
         token0: usize,
         codes: &mut [u8],
         params: &mut [u8],
+        outliers: &mut [u8],
     ) -> Result<()>;
 
     /// `out[i·T + t] = q_i·k̂_t` for the queries `q` (stored space) of one
@@ -197,6 +202,8 @@ pub struct Codec {
     rotation: Rotation,
     int8: bool,
     levels: Option<Levels>,
+    /// Outliers kept apart, in 1/10 000 of a param set's elements (0: none).
+    outliers: u16,
 }
 
 impl From<QuantScheme> for Codec {
@@ -213,6 +220,7 @@ impl Codec {
             rotation: Rotation::None,
             int8: false,
             levels: None,
+            outliers: 0,
         }
     }
 
@@ -276,6 +284,68 @@ impl Codec {
         self.levels
     }
 
+    /// The same format with a `fraction` of each param set's values (a
+    /// head's row per-token, a head's block of tokens per-channel) kept
+    /// apart as dense-and-sparse outliers ([`Sparse`]): the values whose
+    /// removal narrows their groups' ranges most, stored as (position, f16
+    /// correction) entries that decode and the fused kernels add back.
+    /// The count per set is `⌈fraction·elements⌉`, at least one; the
+    /// fraction is kept to 1/10 000.
+    ///
+    /// ```
+    /// use kvq::{presets, Codec};
+    /// let (keys, _) = presets::kivi(2)?;
+    /// let plain = Codec::uniform(keys);
+    /// let sparse = plain.with_outliers(0.01)?;
+    /// assert_eq!(sparse.label(), "2b-pc32-asym-f16+o1%");
+    /// // 41 entries of 4 bytes per block of 32 tokens × 128 channels.
+    /// let l = *sparse.build(8, 128)?.layout();
+    /// assert_eq!(l.outliers(), 41);
+    /// assert!((l.effective_bits() - (3.0 + 41.0 * 32.0 / 4096.0)).abs() < 1e-12);
+    /// // A spike in one channel of one token no longer widens its block.
+    /// let mut x: Vec<f32> = (0..32 * 128).map(|i| ((i * 7 % 13) as f32 - 6.0) / 6.0).collect();
+    /// x[5 * 128 + 3] = 40.0;
+    /// let err = |c: &Codec| -> Result<f32, kvq::Error> {
+    ///     let y = c.roundtrip(&x, 1, 128)?;
+    ///     Ok(x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max))
+    /// };
+    /// assert!(err(&sparse)? < err(&plain)? / 10.0);
+    /// # Ok::<(), kvq::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a fraction that is not finite or
+    /// outside (0, 0.5].
+    pub fn with_outliers(self, fraction: f64) -> Result<Self> {
+        if !(fraction > 0.0 && fraction <= 0.5) {
+            return Err(Error::InvalidConfig {
+                op: "Codec::with_outliers",
+                what: format!("an outlier fraction of {fraction}: it must be in (0, 0.5]"),
+            });
+        }
+        let per = (fraction * f64::from(super::outliers::PER))
+            .round()
+            .max(1.0);
+        Ok(self.with_outlier_share(per as u16))
+    }
+
+    /// [`with_outliers`](Self::with_outliers) in 1/10 000 (0: none; not
+    /// checked here: [`build`](Self::build) refuses more than 5 000).
+    pub(crate) fn with_outlier_share(mut self, per: u16) -> Self {
+        self.outliers = per;
+        self
+    }
+
+    /// The share of values kept as outliers (0 for none).
+    pub fn outlier_fraction(&self) -> f64 {
+        f64::from(self.outliers) / f64::from(super::outliers::PER)
+    }
+
+    /// [`outlier_fraction`](Self::outlier_fraction) in 1/10 000.
+    pub(crate) fn outlier_share(&self) -> u16 {
+        self.outliers
+    }
+
     /// This codebook format with its levels fitted to `rows`
     /// (`[tokens, n_kv_heads·head_dim]`, as the cache would store them):
     /// the same scheme and rotation, [`Levels::Fitted`] levels. `weights`
@@ -322,7 +392,9 @@ impl Codec {
         weights: Option<&[f32]>,
     ) -> Result<Codec> {
         let f = super::codebook::fit_levels(self, rows, n_kv_heads, head_dim, weights)?;
-        Ok(Codec::codebook(self.scheme, Levels::Fitted(f)).with_rotation(self.rotation))
+        Ok(Codec::codebook(self.scheme, Levels::Fitted(f))
+            .with_rotation(self.rotation)
+            .with_outlier_share(self.outliers))
     }
 
     /// Bytes the format stores once per tensor, beside its packed rows: a
@@ -335,12 +407,15 @@ impl Codec {
     }
 
     /// A short label: the scheme's, prefixed with the codebook's name
-    /// (`nf4·…`) and `H·` when rotated.
+    /// (`nf4·…`) and `H·` when rotated, suffixed `+o1%` with outliers.
     pub fn label(&self) -> String {
-        let s = match self.levels {
+        let mut s = match self.levels {
             None => self.scheme.label(),
             Some(l) => format!("{}·{}", l.name(), self.scheme.label()),
         };
+        if self.outliers > 0 {
+            s = format!("{s}+o{}%", f64::from(self.outliers) / 100.0);
+        }
         match self.rotation {
             Rotation::None => s,
             Rotation::Hadamard => format!("H·{s}"),
@@ -357,7 +432,7 @@ impl Codec {
     /// [`KvQuantizer::roundtrip`](crate::KvQuantizer::roundtrip).
     pub fn roundtrip(&self, x: &[f32], n_kv_heads: usize, head_dim: usize) -> Result<Vec<f32>> {
         use crate::{KvQuantizer, UniformQuantizer};
-        if self.levels.is_some() {
+        if self.levels.is_some() || self.outliers > 0 {
             return self.roundtrip_built(x, n_kv_heads, head_dim);
         }
         let q = UniformQuantizer::new(self.scheme, n_kv_heads, head_dim)?;
@@ -381,7 +456,8 @@ impl Codec {
     }
 
     /// [`roundtrip`](Self::roundtrip) through the built codec's own
-    /// encoder and decoder, token by token.
+    /// encoder and decoder: token by token per-token, block by block
+    /// per-channel (a trailing partial block as one shorter block).
     fn roundtrip_built(&self, x: &[f32], n_kv_heads: usize, head_dim: usize) -> Result<Vec<f32>> {
         let op = "Codec::roundtrip";
         let c = self.build(n_kv_heads, head_dim)?;
@@ -392,23 +468,60 @@ impl Codec {
         super::check_finite(op, x, n_kv_heads, head_dim, 0)?;
         let mut r = x.to_vec();
         c.transform_in(&mut r);
-        let (rb, pb) = (l.row_bytes(), l.head_param_bytes(1));
-        let (mut codes, mut params) = (vec![0u8; n_kv_heads * rb], vec![0u8; n_kv_heads * pb]);
-        let mut pend = Pending::default();
+        let unit = l.block_tokens();
+        let per_token = l.scheme().axis() == Axis::PerToken;
+        let (cb, pb, ob) = if per_token {
+            (
+                l.row_bytes(),
+                l.head_param_bytes(1),
+                l.head_outlier_bytes(1),
+            )
+        } else {
+            (
+                l.head_code_bytes(unit),
+                l.head_param_bytes(unit),
+                l.head_outlier_bytes(unit),
+            )
+        };
+        // Per-token: every head's row at once; per-channel: one head's block.
+        let heads = if per_token { n_kv_heads } else { 1 };
+        let (mut codes, mut params, mut outl) = (
+            vec![0u8; heads * cb],
+            vec![0u8; l.param_bytes(1).max(heads * pb)],
+            vec![0u8; heads * ob],
+        );
+        let mut pend = Pending::new(if per_token { 0 } else { width });
         let backend = Backend::detect();
-        for (t, row) in r.chunks_exact_mut(width).enumerate() {
-            let abs_max = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            c.check(op, row, abs_max, t, t, &mut pend)?;
-            c.encode_token(backend, row, t, &mut codes, &mut params)?;
-            for h in 0..n_kv_heads {
-                let head = PackedHead::new(
-                    l,
-                    1,
-                    &codes[h * rb..(h + 1) * rb],
-                    &params[h * pb..(h + 1) * pb],
-                )?;
-                c.decode(&head, &mut row[h * head_dim..(h + 1) * head_dim]);
+        let mut dq = vec![0f32; unit * head_dim];
+        let mut t0 = 0;
+        while t0 < tokens {
+            let n = unit.min(tokens - t0);
+            let rows = &mut r[t0 * width..(t0 + n) * width];
+            let abs_max = rows.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            c.check(op, rows, abs_max, t0, t0, &mut pend)?;
+            if per_token {
+                c.encode_token(backend, rows, t0, &mut codes, &mut params, &mut outl)?;
             }
+            for h in 0..n_kv_heads {
+                let (hc, hp, ho) = if per_token {
+                    let p = if l.shared_params() {
+                        &params[..]
+                    } else {
+                        &params[h * pb..(h + 1) * pb]
+                    };
+                    (&codes[h * cb..(h + 1) * cb], p, &outl[h * ob..(h + 1) * ob])
+                } else {
+                    c.encode_block(backend, rows, n, h, t0, &mut codes, &mut params, &mut outl)?;
+                    (&codes[..l.head_code_bytes(n)], &params[..pb], &outl[..ob])
+                };
+                let head = PackedHead::with_outliers(l, n, hc, hp, ho)?;
+                let d = &mut dq[..n * head_dim];
+                c.decode(&head, d);
+                for (t, row) in d.chunks_exact(head_dim).enumerate() {
+                    rows[t * width + h * head_dim..][..head_dim].copy_from_slice(row);
+                }
+            }
+            t0 += n;
         }
         c.transform_out(&mut r);
         Ok(r)
@@ -427,19 +540,23 @@ impl Codec {
             Rotation::None => None,
             Rotation::Hadamard => Some(Hadamard::new(head_dim)?),
         };
-        Ok(match (self.levels, rot) {
-            (None, None) => Arc::new(UniformCodec::new(layout, self.int8)),
-            (None, Some(h)) => Arc::new(Rotated::new(UniformCodec::new(layout, self.int8), h)),
-            (Some(_), _) if self.int8 => {
+        let base: Box<dyn KvCodec> = match self.levels {
+            None => Box::new(UniformCodec::new(layout, self.int8)),
+            Some(_) if self.int8 => {
                 return Err(Error::InvalidConfig {
                     op: "Codec::build",
                     what: "the int8 kernels read the uniform grid, not a codebook".into(),
                 })
             }
-            (Some(levels), None) => Arc::new(CodebookCodec::new(layout, levels)?),
-            (Some(levels), Some(h)) => {
-                Arc::new(Rotated::new(CodebookCodec::new(layout, levels)?, h))
-            }
+            Some(levels) => Box::new(CodebookCodec::new(layout, levels)?),
+        };
+        let base = match self.outliers {
+            0 => base,
+            per => Box::new(Sparse::new(base, per)?),
+        };
+        Ok(match rot {
+            None => Arc::from(base),
+            Some(h) => Arc::new(Rotated::new(base, h)),
         })
     }
 }
@@ -546,6 +663,7 @@ impl KvCodec for UniformCodec {
         token: usize,
         codes: &mut [u8],
         params: &mut [u8],
+        _outliers: &mut [u8],
     ) -> Result<()> {
         quantize_token(backend, &self.layout, row, token, codes, params)
     }
@@ -559,6 +677,7 @@ impl KvCodec for UniformCodec {
         token0: usize,
         codes: &mut [u8],
         params: &mut [u8],
+        _outliers: &mut [u8],
     ) -> Result<()> {
         quantize_channel_block(
             backend,
@@ -688,8 +807,10 @@ impl<C: KvCodec> KvCodec for Rotated<C> {
         token: usize,
         codes: &mut [u8],
         params: &mut [u8],
+        outliers: &mut [u8],
     ) -> Result<()> {
-        self.inner.encode_token(backend, row, token, codes, params)
+        self.inner
+            .encode_token(backend, row, token, codes, params, outliers)
     }
     fn encode_block(
         &self,
@@ -700,9 +821,10 @@ impl<C: KvCodec> KvCodec for Rotated<C> {
         token0: usize,
         codes: &mut [u8],
         params: &mut [u8],
+        outliers: &mut [u8],
     ) -> Result<()> {
         self.inner
-            .encode_block(backend, rows, tokens, head, token0, codes, params)
+            .encode_block(backend, rows, tokens, head, token0, codes, params, outliers)
     }
     fn scores(
         &self,
@@ -724,5 +846,81 @@ impl<C: KvCodec> KvCodec for Rotated<C> {
     }
     fn decode(&self, head: &PackedHead<'_>, out: &mut [f32]) {
         self.inner.decode(head, out);
+    }
+}
+
+/// A boxed codec is a codec: formats compose at run time
+/// ([`Codec::build`] stacks outliers and a rotation on a grid).
+impl KvCodec for Box<dyn KvCodec> {
+    fn spec(&self) -> Codec {
+        (**self).spec()
+    }
+    fn layout(&self) -> &Layout {
+        (**self).layout()
+    }
+    fn transforms(&self) -> bool {
+        (**self).transforms()
+    }
+    fn transform_in(&self, x: &mut [f32]) {
+        (**self).transform_in(x);
+    }
+    fn transform_out(&self, x: &mut [f32]) {
+        (**self).transform_out(x);
+    }
+    fn check(
+        &self,
+        op: &'static str,
+        rows: &[f32],
+        abs_max: f32,
+        first: usize,
+        token0: usize,
+        pend: &mut Pending,
+    ) -> Result<()> {
+        (**self).check(op, rows, abs_max, first, token0, pend)
+    }
+    fn encode_token(
+        &self,
+        backend: Backend,
+        row: &[f32],
+        token: usize,
+        codes: &mut [u8],
+        params: &mut [u8],
+        outliers: &mut [u8],
+    ) -> Result<()> {
+        (**self).encode_token(backend, row, token, codes, params, outliers)
+    }
+    fn encode_block(
+        &self,
+        backend: Backend,
+        rows: &[f32],
+        tokens: usize,
+        head: usize,
+        token0: usize,
+        codes: &mut [u8],
+        params: &mut [u8],
+        outliers: &mut [u8],
+    ) -> Result<()> {
+        (**self).encode_block(backend, rows, tokens, head, token0, codes, params, outliers)
+    }
+    fn scores(
+        &self,
+        backend: Backend,
+        head: &PackedHead<'_>,
+        q: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        (**self).scores(backend, head, q, out)
+    }
+    fn weighted_sum(
+        &self,
+        backend: Backend,
+        head: &PackedHead<'_>,
+        p: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        (**self).weighted_sum(backend, head, p, out)
+    }
+    fn decode(&self, head: &PackedHead<'_>, out: &mut [f32]) {
+        (**self).decode(head, out);
     }
 }

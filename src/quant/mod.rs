@@ -51,10 +51,12 @@ use ndarray::{Array3, ArrayView3};
 pub mod codebook;
 pub mod codec;
 pub mod fp8;
+pub mod outliers;
 pub mod rotation;
 
 pub use codebook::{CodebookCodec, FittedLevels, Levels};
 pub use codec::{Codec, KvCodec, Pending, Rotated, Rotation, UniformCodec};
+pub use outliers::{Sparse, OUTLIER_LIMIT};
 pub use rotation::Hadamard;
 
 /// A quantizer of K or V blocks `[tokens, n_kv_heads, head_dim]`.

@@ -1,0 +1,477 @@
+//! Dense-and-sparse storage ([`Sparse`]): a codec's grid for the bulk of
+//! the values and a short side list for the few that would stretch it.
+//!
+//! A group's range is set by its extremes; one large value in a row or a
+//! channel widens every step of its group. [`Sparse`] takes, per param set
+//! (a head's row per-token, a head's block per-channel), the `n` values
+//! whose removal shrinks their groups' ranges the most, quantizes the set
+//! with those values pulled into what remains of their group's range, and
+//! stores per value a `(position, correction)` entry: the correction is
+//! the value minus what the grid decodes at that position, in f16. A decode
+//! adds the corrections; the fused scores and weighted sums add
+//! `q·correction` and `p·correction` after the grid's kernel, without a
+//! dequantized copy.
+//!
+//! `n` comes from a fraction of the set's elements ([`Codec::with_outliers`]),
+//! rounded up, at least one. Entries cost [`OUTLIER_BYTES`] each, counted by
+//! [`Layout::bytes`] and [`Layout::effective_bits`].
+
+use half::f16;
+
+use super::codec::{Codec, KvCodec, Pending};
+use crate::error::{Error, Result};
+use crate::scheme::{Axis, Layout, Mode, OUTLIER_BYTES};
+use crate::simd::Backend;
+use crate::store::PackedHead;
+
+/// The largest `|x|` a codec with outliers stores: its corrections are f16,
+/// and a correction is at most the value's distance to its group's range,
+/// below twice this.
+pub const OUTLIER_LIMIT: f32 = 16384.0;
+
+/// Outlier fractions are kept in units of 1/10 000 of the elements.
+pub(crate) const PER: u32 = 10_000;
+
+/// Entries per param set of `elements` values for a fraction of `per`/10 000.
+pub(crate) fn count(per: u16, elements: usize) -> usize {
+    (u32::from(per) as usize * elements)
+        .div_ceil(PER as usize)
+        .max(1)
+}
+
+/// A codec with `n` outliers per param set kept apart as f16 corrections
+/// (see the [module docs](self)).
+#[derive(Debug)]
+pub struct Sparse<C> {
+    inner: C,
+    layout: Layout,
+    per: u16,
+}
+
+impl<C: KvCodec> Sparse<C> {
+    /// `inner` with `per`/10 000 of each param set's elements (rounded up,
+    /// at least one) kept as outliers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a fraction outside (0, 0.5] or an
+    /// inner codec that already has outliers or transforms its rows (a
+    /// rotation goes around the outliers, not inside);
+    /// [`Error::SchemeShape`] as [`Layout`]'s outlier checks.
+    pub fn new(inner: C, per: u16) -> Result<Self> {
+        let op = "Sparse::new";
+        let il = *inner.layout();
+        if per == 0 || u32::from(per) > PER / 2 {
+            return Err(Error::InvalidConfig {
+                op,
+                what: format!(
+                    "an outlier fraction of {} %: it must be in (0, 50] %",
+                    f64::from(per) / 100.0
+                ),
+            });
+        }
+        if il.outliers() > 0 || inner.transforms() {
+            return Err(Error::InvalidConfig {
+                op,
+                what: "outliers wrap a plain grid or codebook".into(),
+            });
+        }
+        let layout = il.with_outliers(count(per, il.set_elements()))?;
+        Ok(Sparse { inner, layout, per })
+    }
+
+    /// Pick the outliers of one param set `x` (`[tb, hd]` token-major,
+    /// `tb` 1 per-token), pull them into their groups' remaining ranges in
+    /// `y` (a copy of `x`), and return their positions, ascending.
+    fn pick(&self, x: &[f32], y: &mut [f32], tb: usize, sel: &mut Selector) {
+        let l = self.inner.layout();
+        let hd = l.head_dim();
+        let sym = l.scheme().mode() == Mode::Symmetric;
+        match l.scheme().axis() {
+            Axis::PerToken => {
+                let cpg = l.channels_per_group().min(hd);
+                sel.run(
+                    x,
+                    hd / cpg,
+                    |g| (g * cpg..(g + 1) * cpg).step_by(1),
+                    sym,
+                    self.layout.outliers(),
+                );
+            }
+            Axis::PerChannel => {
+                sel.run(
+                    x,
+                    hd,
+                    |c| (c..tb * hd).step_by(hd),
+                    sym,
+                    self.layout.outliers(),
+                );
+            }
+        }
+        y.copy_from_slice(x);
+        for &(pos, lo, hi) in &sel.picked {
+            y[pos] = x[pos].clamp(lo, hi);
+        }
+        // Groups down to one value (a short trailing block) leave entries
+        // unpicked: they take the first free positions, holding the exact
+        // error there, or zero past the block's tokens. Every entry is
+        // written and positions stay distinct.
+        let n = self.layout.outliers();
+        if sel.picked.len() < n {
+            let mut used = vec![false; self.layout.set_elements()];
+            for &(pos, _, _) in &sel.picked {
+                used[pos] = true;
+            }
+            let free = (0..used.len()).filter(|&p| !used[p]);
+            let more: Vec<usize> = free.take(n - sel.picked.len()).collect();
+            sel.picked.extend(more.into_iter().map(|p| (p, 0.0, 0.0)));
+        }
+        sel.picked.sort_unstable_by_key(|p| p.0);
+    }
+
+    /// Write the entries of the picked positions: `x` minus the grid's
+    /// decode `dq` there.
+    fn write_entries(sel: &Selector, x: &[f32], dq: &[f32], out: &mut [u8]) {
+        for (e, &(pos, _, _)) in out.chunks_exact_mut(OUTLIER_BYTES).zip(&sel.picked) {
+            // (Positions are below 2^16: the layout checks the set size.)
+            e[..2].copy_from_slice(&(pos as u16).to_le_bytes());
+            let r = if pos < x.len() { x[pos] - dq[pos] } else { 0.0 };
+            e[2..].copy_from_slice(&f16::from_f32(r).to_le_bytes());
+        }
+    }
+}
+
+/// The greedy choice of outliers: per group its values sorted, and one at
+/// a time the end (low or high) whose removal shrinks its group's range
+/// (squared) the most.
+#[derive(Debug, Default)]
+struct Selector {
+    /// Per group: its element positions sorted by value, and the live
+    /// `lo..=hi` window into them.
+    order: Vec<Vec<usize>>,
+    live: Vec<(usize, usize)>,
+    /// `(position, low, high)`: the position and its group's range once
+    /// every pick is made.
+    picked: Vec<(usize, f32, f32)>,
+}
+
+impl Selector {
+    fn run<I: Iterator<Item = usize>>(
+        &mut self,
+        x: &[f32],
+        groups: usize,
+        members: impl Fn(usize) -> I,
+        sym: bool,
+        n: usize,
+    ) {
+        self.order.resize_with(groups, Vec::new);
+        self.live.clear();
+        for g in 0..groups {
+            let o = &mut self.order[g];
+            o.clear();
+            o.extend(members(g));
+            o.sort_unstable_by(|&a, &b| x[a].total_cmp(&x[b]));
+            self.live.push((0, o.len() - 1));
+        }
+        let range = |lo: f32, hi: f32| {
+            if sym {
+                lo.abs().max(hi.abs())
+            } else {
+                hi - lo
+            }
+        };
+        // The better end of group `g` to drop: (gain, drop the high end).
+        let best = |o: &[usize], (a, b): (usize, usize)| -> Option<(f32, bool)> {
+            if a >= b {
+                return None;
+            }
+            let now = range(x[o[a]], x[o[b]]);
+            let hi = range(x[o[a]], x[o[b - 1]]);
+            let lo = range(x[o[a + 1]], x[o[b]]);
+            let (after, high) = if hi <= lo { (hi, true) } else { (lo, false) };
+            Some((now * now - after * after, high))
+        };
+        let mut dropped = Vec::with_capacity(n);
+        for _ in 0..n {
+            let mut pick: Option<(usize, f32, bool)> = None;
+            for g in 0..groups {
+                if let Some((gain, high)) = best(&self.order[g], self.live[g]) {
+                    if pick.is_none_or(|(_, b, _)| gain > b) {
+                        pick = Some((g, gain, high));
+                    }
+                }
+            }
+            // Every group down to one value: nothing left to take (only for
+            // sets of at most two values per group, refused by the layout).
+            let Some((g, _, high)) = pick else { break };
+            let (a, b) = &mut self.live[g];
+            if high {
+                dropped.push((g, self.order[g][*b]));
+                *b -= 1;
+            } else {
+                dropped.push((g, self.order[g][*a]));
+                *a += 1;
+            }
+        }
+        self.picked.clear();
+        for (g, pos) in dropped {
+            let (a, b) = self.live[g];
+            let o = &self.order[g];
+            let (lo, hi) = (x[o[a]], x[o[b]]);
+            let (lo, hi) = if sym {
+                let m = lo.abs().max(hi.abs());
+                (-m, m)
+            } else {
+                (lo, hi)
+            };
+            self.picked.push((pos, lo, hi));
+        }
+    }
+}
+
+/// Calls `f(token, channel, correction)` for each entry of `head` whose
+/// token is in the view.
+#[inline]
+pub(crate) fn for_each(head: &PackedHead<'_>, mut f: impl FnMut(usize, usize, f32)) {
+    let l = &head.layout;
+    let n = l.outliers();
+    if n == 0 {
+        return;
+    }
+    let (hd, bt, tokens) = (l.head_dim(), l.block_tokens(), head.tokens);
+    for (k, set) in head.outliers.chunks_exact(n * OUTLIER_BYTES).enumerate() {
+        for e in set.chunks_exact(OUTLIER_BYTES) {
+            let pos = usize::from(u16::from_le_bytes([e[0], e[1]]));
+            let r = f16::from_le_bytes([e[2], e[3]]).to_f32();
+            let t = k * bt + pos / hd;
+            if t < tokens {
+                f(t, pos % hd, r);
+            }
+        }
+    }
+}
+
+/// `out[t·hd + c] += correction` for each entry: a decode's last step.
+pub(crate) fn add_to_rows(head: &PackedHead<'_>, out: &mut [f32]) {
+    let hd = head.layout.head_dim();
+    for_each(head, |t, c, r| out[t * hd + c] += r);
+}
+
+/// `out[i·T + t] += q_i[c]·correction` for each entry: the scores' part
+/// the grid does not hold.
+pub(crate) fn add_scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+    let (hd, t_all) = (head.layout.head_dim(), head.tokens);
+    let nq = q.len() / hd;
+    for_each(head, |t, c, r| {
+        for i in 0..nq {
+            out[i * t_all + t] += q[i * hd + c] * r;
+        }
+    });
+}
+
+/// `out[i·hd + c] += p[i·T + t]·correction` for each entry.
+pub(crate) fn add_weighted(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+    let (hd, t_all) = (head.layout.head_dim(), head.tokens);
+    let nq = out.len() / hd;
+    for_each(head, |t, c, r| {
+        for i in 0..nq {
+            out[i * hd + c] += p[i * t_all + t] * r;
+        }
+    });
+}
+
+/// Check a head's (or a whole tensor's) outlier entries as read from
+/// outside: per set, positions strictly ascending within the set's
+/// elements and finite corrections.
+pub(crate) fn validate(op: &'static str, l: &Layout, bytes: &[u8]) -> Result<()> {
+    let n = l.outliers();
+    if n == 0 {
+        return Ok(());
+    }
+    let elems = l.set_elements();
+    for (k, set) in bytes.chunks(n * OUTLIER_BYTES).enumerate() {
+        let mut prev: Option<usize> = None;
+        for (j, e) in set.chunks(OUTLIER_BYTES).enumerate() {
+            let bad = |what: String| Error::Malformed {
+                op,
+                what: format!("outlier {j} of set {k}: {what}"),
+            };
+            if e.len() < OUTLIER_BYTES {
+                return Err(bad("cut short".into()));
+            }
+            let pos = usize::from(u16::from_le_bytes([e[0], e[1]]));
+            let r = f16::from_le_bytes([e[2], e[3]]);
+            if pos >= elems || prev.is_some_and(|p| pos <= p) {
+                return Err(bad(format!(
+                    "position {pos} (positions ascend, below {elems})"
+                )));
+            }
+            if !r.is_finite() {
+                return Err(bad(format!("correction {r}")));
+            }
+            prev = Some(pos);
+        }
+    }
+    Ok(())
+}
+
+impl<C: KvCodec> KvCodec for Sparse<C> {
+    fn spec(&self) -> Codec {
+        self.inner.spec().with_outlier_share(self.per)
+    }
+
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    fn check(
+        &self,
+        op: &'static str,
+        rows: &[f32],
+        abs_max: f32,
+        first: usize,
+        token0: usize,
+        pend: &mut Pending,
+    ) -> Result<()> {
+        if abs_max > OUTLIER_LIMIT {
+            let l = &self.layout;
+            let (w, hd) = (l.n_kv_heads() * l.head_dim(), l.head_dim());
+            let i = rows
+                .iter()
+                .position(|v| v.abs() > OUTLIER_LIMIT)
+                .unwrap_or(0);
+            return Err(Error::InvalidArgument {
+                op,
+                what: format!(
+                    "token {}, head {}, channel {}: |{}| is above {OUTLIER_LIMIT}, the \
+                     largest value a codec with f16 outlier corrections stores",
+                    token0 + i / w,
+                    i % w / hd,
+                    i % hd,
+                    rows[i]
+                ),
+            });
+        }
+        // The grid sees the values pulled into narrower ranges: what fits
+        // the full ranges fits them.
+        self.inner.check(op, rows, abs_max, first, token0, pend)
+    }
+
+    fn encode_token(
+        &self,
+        backend: Backend,
+        row: &[f32],
+        token: usize,
+        codes: &mut [u8],
+        params: &mut [u8],
+        outliers: &mut [u8],
+    ) -> Result<()> {
+        let l = *self.inner.layout();
+        let (hd, nh) = (l.head_dim(), l.n_kv_heads());
+        let mut y = row.to_vec();
+        let mut sels: Vec<Selector> = (0..nh).map(|_| Selector::default()).collect();
+        for (h, sel) in sels.iter_mut().enumerate() {
+            let r = h * hd..(h + 1) * hd;
+            self.pick(&row[r.clone()], &mut y[r], 1, sel);
+        }
+        self.inner
+            .encode_token(backend, &y, token, codes, params, &mut [])?;
+        let (rb, pb) = (l.row_bytes(), l.head_param_bytes(1));
+        let ob = self.layout.head_outlier_bytes(1);
+        let mut dq = vec![0f32; hd];
+        for (h, sel) in sels.iter().enumerate() {
+            let view = PackedHead {
+                layout: l,
+                tokens: 1,
+                codes: &codes[h * rb..(h + 1) * rb],
+                params: &params[h * pb..(h + 1) * pb],
+                outliers: &[],
+            };
+            self.inner.decode(&view, &mut dq);
+            Self::write_entries(
+                sel,
+                &row[h * hd..(h + 1) * hd],
+                &dq,
+                &mut outliers[h * ob..(h + 1) * ob],
+            );
+        }
+        Ok(())
+    }
+
+    fn encode_block(
+        &self,
+        backend: Backend,
+        rows: &[f32],
+        tokens: usize,
+        head: usize,
+        token0: usize,
+        codes: &mut [u8],
+        params: &mut [u8],
+        outliers: &mut [u8],
+    ) -> Result<()> {
+        let l = *self.inner.layout();
+        let (hd, w) = (l.head_dim(), l.n_kv_heads() * l.head_dim());
+        let mut x = vec![0f32; tokens * hd];
+        for (t, d) in x.chunks_exact_mut(hd).enumerate() {
+            d.copy_from_slice(&rows[t * w + head * hd..][..hd]);
+        }
+        let mut y = vec![0f32; tokens * hd];
+        let mut sel = Selector::default();
+        self.pick(&x, &mut y, tokens, &mut sel);
+        // The inner encoder reads head `head` of full rows: only that
+        // head's columns are filled.
+        let mut rows_y = vec![0f32; tokens * w];
+        for (t, s) in y.chunks_exact(hd).enumerate() {
+            rows_y[t * w + head * hd..][..hd].copy_from_slice(s);
+        }
+        self.inner.encode_block(
+            backend,
+            &rows_y,
+            tokens,
+            head,
+            token0,
+            codes,
+            params,
+            &mut [],
+        )?;
+        let view = PackedHead {
+            layout: l,
+            tokens,
+            codes: &codes[..l.head_code_bytes(tokens)],
+            params: &params[..l.head_param_bytes(tokens)],
+            outliers: &[],
+        };
+        let mut dq = vec![0f32; tokens * hd];
+        self.inner.decode(&view, &mut dq);
+        Self::write_entries(&sel, &x, &dq, outliers);
+        Ok(())
+    }
+
+    fn scores(
+        &self,
+        backend: Backend,
+        head: &PackedHead<'_>,
+        q: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.inner.scores(backend, &head.grid(), q, out)?;
+        add_scores(head, q, out);
+        Ok(())
+    }
+
+    fn weighted_sum(
+        &self,
+        backend: Backend,
+        head: &PackedHead<'_>,
+        p: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.inner.weighted_sum(backend, &head.grid(), p, out)?;
+        add_weighted(head, p, out);
+        Ok(())
+    }
+
+    fn decode(&self, head: &PackedHead<'_>, out: &mut [f32]) {
+        self.inner.decode(&head.grid(), out);
+        add_to_rows(head, out);
+    }
+}
