@@ -126,6 +126,8 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             key_levels: None,
             value_levels: None,
             pre_rope: false,
+            key_outliers: 0.0,
+            value_outliers: 0.0,
         };
         // The window through a kvq store of `spec`: ppl and next-token KL.
         let run = |spec: CacheSpec| {

@@ -55,6 +55,11 @@ pub struct CacheSpec {
     /// ([`CacheConfig::pre_rope`]; needs the model's RoPE, so build the
     /// store with [`KvqStore::for_model`]).
     pub pre_rope: bool,
+    /// The share of each key param set kept as dense-and-sparse outliers
+    /// ([`Codec::with_outliers`]; 0: none).
+    pub key_outliers: f64,
+    /// The same for values.
+    pub value_outliers: f64,
 }
 
 impl CacheSpec {
@@ -70,18 +75,35 @@ impl CacheSpec {
         key_levels: None,
         value_levels: None,
         pre_rope: false,
+        key_outliers: 0.0,
+        value_outliers: 0.0,
     };
 
     /// The key codec (`None`: full precision).
     pub fn key_codec(&self) -> Option<Codec> {
-        self.keys
-            .map(|s| codec(s, self.key_levels).with_rotation(self.key_rotation))
+        self.keys.map(|s| {
+            outliers(codec(s, self.key_levels), self.key_outliers).with_rotation(self.key_rotation)
+        })
     }
 
     /// The value codec (`None`: full precision).
     pub fn value_codec(&self) -> Option<Codec> {
-        self.values
-            .map(|s| codec(s, self.value_levels).with_rotation(self.value_rotation))
+        self.values.map(|s| {
+            outliers(codec(s, self.value_levels), self.value_outliers)
+                .with_rotation(self.value_rotation)
+        })
+    }
+}
+
+/// `c` with a share `f` of outliers (none for 0).
+///
+/// # Panics
+/// For a share outside `[0, 0.5]`: specs are written in code.
+fn outliers(c: Codec, f: f64) -> Codec {
+    if f == 0.0 {
+        c
+    } else {
+        c.with_outliers(f).expect("an outlier share in (0, 0.5]")
     }
 }
 

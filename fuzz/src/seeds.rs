@@ -122,6 +122,19 @@ fn caches() -> Vec<Vec<u8>> {
                     },
                 ),
             ),
+        // Dense-and-sparse outliers: per-channel keys, per-token values.
+        CacheConfig::new(2, 16)
+            .key_codec(
+                Codec::from(QuantScheme::new(2, Axis::PerChannel, Group::Size(8)).unwrap())
+                    .with_outliers(0.02)
+                    .unwrap(),
+            )
+            .value_codec(
+                Codec::from(QuantScheme::new(3, Axis::PerToken, Group::Size(8)).unwrap())
+                    .with_outliers(0.05)
+                    .unwrap(),
+            )
+            .residual(3),
     ];
     let mut out = Vec::new();
     for (i, &cfg) in cfgs.iter().enumerate() {

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example sweep -- [--model smollm2|gemma|PATH]
-//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit]
+//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit|outliers]
 //!     [--full] [--budgets B,B] [--calib austen|code|PATH]
 //!     [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
@@ -202,6 +202,11 @@ pub enum GridKind {
     /// alone, keys alone (query-weighted and not), and both at 3–4
     /// effective bits.
     Fit,
+    /// Dense-and-sparse outliers ([`kvq::Codec::with_outliers`]): KIVI at
+    /// 2–4 bits with and without them, keys before RoPE in large
+    /// per-channel blocks with them beside rotated Lloyd-Max values, near
+    /// 3 and 3.5 effective bits.
+    Outliers,
 }
 
 impl std::str::FromStr for GridKind {
@@ -219,9 +224,10 @@ impl std::str::FromStr for GridKind {
             "rotation" => Ok(GridKind::Rotation),
             "plan" => Ok(GridKind::Plan),
             "fit" => Ok(GridKind::Fit),
+            "outliers" => Ok(GridKind::Outliers),
             _ => Err(format!(
                 "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope, \
-                 budget, rotation, plan, fit)"
+                 budget, rotation, plan, fit, outliers)"
             )),
         }
     }
@@ -272,11 +278,11 @@ impl Config {
     /// Effective bits of the quantized rows, K and V averaged over every
     /// layer (16 for a full-precision tensor).
     pub fn effective_bits(&self, n_layers: usize, n_kv: usize, hd: usize) -> f64 {
+        // The built codec's layout: outlier entries count.
         let eb = |c: Option<Codec>| {
             c.map_or(16.0, |c| {
-                c.scheme()
-                    .layout(n_kv, hd)
-                    .map_or(f64::NAN, |l| l.effective_bits())
+                c.build(n_kv, hd)
+                    .map_or(f64::NAN, |b| b.layout().effective_bits())
             })
         };
         let sum: f64 = (0..n_layers)
@@ -408,6 +414,57 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
             return g;
         }
         GridKind::Full => return full_grid(g, mk),
+        GridKind::Outliers => {
+            let g32 = Group::Size(32);
+            // KIVI with outliers in keys and values, beside the plain one.
+            for b in [2u8, 3, 4] {
+                let kivi = mk(
+                    format!("K{b}/V{b} KIVI pc32/pt32"),
+                    Some(pc(b, g32)),
+                    Some(pt(b, g32)),
+                );
+                for f in [0.0, 0.005, 0.01] {
+                    let mut c = kivi.clone();
+                    if f > 0.0 {
+                        c.name = format!("{} +o{}%", c.name, f * 100.0);
+                        c.spec.key_outliers = f;
+                        c.spec.value_outliers = f;
+                    }
+                    g.push(c);
+                }
+            }
+            // Keys before RoPE in per-channel blocks of 64 and 128 tokens,
+            // with outliers, beside rotated Lloyd-Max values.
+            for (kb, kg, f, vb) in [
+                (2u8, 128usize, 0.01, 3u8),
+                (2, 64, 0.01, 3),
+                (2, 128, 0.02, 3),
+                (3, 128, 0.0, 2),
+                (3, 128, 0.005, 2),
+                (3, 128, 0.01, 2),
+                (3, 64, 0.01, 3),
+                (3, 128, 0.01, 3),
+                (4, 128, 0.01, 3),
+            ] {
+                let o = if f > 0.0 {
+                    format!(" +o{}%", f * 100.0)
+                } else {
+                    String::new()
+                };
+                let mut c = mk(
+                    format!("K{kb} pc{kg}{o} / H·V gauss{vb} pt32 @pre-RoPE"),
+                    Some(pc(kb, Group::Size(kg))),
+                    None,
+                );
+                c.spec.key_outliers = f;
+                c.spec.values = Some(sym(vb, g32));
+                c.spec.value_levels = Some(Levels::Gauss);
+                c.spec.value_rotation = Rotation::Hadamard;
+                c.spec.pre_rope = true;
+                g.push(c);
+            }
+            return g;
+        }
         GridKind::Split => {
             for b in 2u8..=7 {
                 for (kb, vb) in [(b - 1, b + 1), (b, b), (b + 1, b - 1)] {
@@ -689,6 +746,11 @@ fn full_grid(
             Some(pt(b, Group::Size(32))),
         );
         c.spec.pre_rope = true;
+        g.push(c.clone());
+        // The same with 1 % dense-and-sparse outliers in keys and values.
+        c.name = format!("K{b}/V{b} KIVI pc32/pt32 +o1% @pre-RoPE");
+        c.spec.key_outliers = 0.01;
+        c.spec.value_outliers = 0.01;
         g.push(c);
     }
     let mut books = vec![
