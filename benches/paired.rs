@@ -45,8 +45,10 @@
 //! across heads), KIVI-4 without and with a residual window and sinks,
 //! with keys before RoPE, with rotated values and with both rotated;
 //! 4-bit per-token K/V plain and rotated; the codebooks: `iq4_nl`, rotated
-//! Lloyd-Max at 4 and 3 bits; and `cache 4.5b-plan`, the layer the planner
-//! picks most at 4.5 bits (`docs/RESULTS.md`, "Planned caches").
+//! Lloyd-Max at 4 and 3 bits; `cache 4.5b-plan`, the layer the planner
+//! picks most at 4.5 bits (`docs/RESULTS.md`, "Planned caches"); and the
+//! dense-and-sparse outliers: `cache 4b-kivi32-o1` (KIVI-4 with 1 % of
+//! keys and values as outliers) and `cache 3b-prerope-o1`.
 //!
 //! Same shape as criterion's `attend/hd128/q{N}`: 8 KV heads, head_dim
 //! 128, two threads across heads, each case's layer copied until the

@@ -559,8 +559,9 @@ pub struct Layout {
 }
 
 /// Bytes of one outlier entry: a little-endian `u16` position within its
-/// param set's elements, then the little-endian f16 correction added there
-/// (`docs/FORMAT.md`, section 4).
+/// param set's elements and the little-endian f16 correction added there
+/// (a set stores its positions, then its corrections: `docs/FORMAT.md`,
+/// section 4).
 pub const OUTLIER_BYTES: usize = 4;
 
 impl Layout {

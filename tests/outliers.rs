@@ -580,12 +580,13 @@ fn hostile_outlier_bytes_are_refused() {
     };
     // A position past the row, positions out of order, a NaN correction.
     let past = mutate(&|b| b[at..at + 2].copy_from_slice(&64u16.to_le_bytes()));
+    // (A set: its 2 positions, then its 2 corrections.)
     let order = mutate(&|b| {
-        let (p0, p1) = ([b[at], b[at + 1]], [b[at + 4], b[at + 5]]);
+        let (p0, p1) = ([b[at], b[at + 1]], [b[at + 2], b[at + 3]]);
         b[at..at + 2].copy_from_slice(&p1);
-        b[at + 4..at + 6].copy_from_slice(&p0);
+        b[at + 2..at + 4].copy_from_slice(&p0);
     });
-    let nan = mutate(&|b| b[at + 2..at + 4].copy_from_slice(&half::f16::NAN.to_le_bytes()));
+    let nan = mutate(&|b| b[at + 6..at + 8].copy_from_slice(&half::f16::NAN.to_le_bytes()));
     for (what, b) in [("past", past), ("order", order), ("nan", nan)] {
         assert!(
             matches!(load(&b), Err(Error::Malformed { .. })),

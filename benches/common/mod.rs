@@ -430,6 +430,26 @@ pub fn cache_cases<'a>(
             "cache 3b-H-gauss".into(),
             Box::new(move || build(base().key_codec(gauss(3)).value_codec(gauss(3)))),
         ),
+        (
+            // KIVI-4 with 1 % dense-and-sparse outliers in keys and values:
+            // the grid's kernels, then the entries' corrections.
+            "cache 4b-kivi32-o1".into(),
+            Box::new(move || {
+                let o = |s| kvq::Codec::from(s).with_outliers(0.01).unwrap();
+                build(base().key_codec(o(pc)).value_codec(o(pt)))
+            }),
+        ),
+        (
+            // 2-bit keys before RoPE in blocks of 128 with 1 % outliers,
+            // rotated 3-bit Lloyd-Max values: a 3.0-bit layer.
+            "cache 3b-prerope-o1".into(),
+            Box::new(move || {
+                let rope = kvq::Rope::new(500_000.0, hd, kvq::RopeStyle::Halves);
+                let k = QuantScheme::new(2, Axis::PerChannel, Group::Size(128)).unwrap();
+                let k = kvq::Codec::from(k).with_outliers(0.01).unwrap();
+                build(base().key_codec(k).value_codec(gauss(3)).pre_rope(rope))
+            }),
+        ),
     ];
     cases.extend(pooled);
     cases

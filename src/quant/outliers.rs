@@ -17,6 +17,7 @@
 //! [`Layout::bytes`] and [`Layout::effective_bits`].
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use super::codec::{Codec, KvCodec, Pending};
 use crate::error::{Error, Result};
@@ -128,14 +129,19 @@ impl<C: KvCodec> Sparse<C> {
         sel.picked.sort_unstable_by_key(|p| p.0);
     }
 
-    /// Write the entries of the picked positions: `x` minus the grid's
-    /// decode `dq` there.
+    /// Write the entries of the picked positions (one set: positions,
+    /// then corrections): `x` minus the grid's decode `dq` there.
     fn write_entries(sel: &Selector, x: &[f32], dq: &[f32], out: &mut [u8]) {
-        for (e, &(pos, _, _)) in out.chunks_exact_mut(OUTLIER_BYTES).zip(&sel.picked) {
+        let (pos, cor) = out.split_at_mut(2 * sel.picked.len());
+        for ((pb, cb), &(p, _, _)) in pos
+            .chunks_exact_mut(2)
+            .zip(cor.chunks_exact_mut(2))
+            .zip(&sel.picked)
+        {
             // (Positions are below 2^16: the layout checks the set size.)
-            e[..2].copy_from_slice(&(pos as u16).to_le_bytes());
-            let r = if pos < x.len() { x[pos] - dq[pos] } else { 0.0 };
-            e[2..].copy_from_slice(&f16::from_f32(r).to_le_bytes());
+            pb.copy_from_slice(&(p as u16).to_le_bytes());
+            let r = if p < x.len() { x[p] - dq[p] } else { 0.0 };
+            cb.copy_from_slice(&f16::from_f32(r).to_le_bytes());
         }
     }
 }
@@ -228,25 +234,76 @@ impl Selector {
     }
 }
 
-/// Calls `f(token, channel, correction)` for each entry of `head` whose
-/// token is in the view.
-#[inline]
-pub(crate) fn for_each(head: &PackedHead<'_>, mut f: impl FnMut(usize, usize, f32)) {
-    let l = &head.layout;
-    let n = l.outliers();
-    if n == 0 {
-        return;
+/// One head's entries as the post-passes read them: per set, the
+/// positions and the corrections in f32.
+struct Sets<'a> {
+    bytes: &'a [u8],
+    n: usize,
+    hd: usize,
+    /// Tokens per set, and `log2(hd)` when `hd` is a power of two (a
+    /// per-channel position splits by a shift, not a division).
+    bt: usize,
+    shift: Option<u32>,
+    tokens: usize,
+    cor: Vec<f32>,
+}
+
+impl<'a> Sets<'a> {
+    fn new(head: &PackedHead<'a>) -> Option<Self> {
+        let l = &head.layout;
+        let n = l.outliers();
+        (n > 0).then(|| Sets {
+            bytes: head.outliers,
+            n,
+            hd: l.head_dim(),
+            bt: l.block_tokens(),
+            shift: l
+                .head_dim()
+                .is_power_of_two()
+                .then(|| l.head_dim().trailing_zeros()),
+            tokens: head.tokens,
+            cor: vec![0.0; n],
+        })
     }
-    let (hd, bt, tokens) = (l.head_dim(), l.block_tokens(), head.tokens);
-    for (k, set) in head.outliers.chunks_exact(n * OUTLIER_BYTES).enumerate() {
-        for e in set.chunks_exact(OUTLIER_BYTES) {
-            let pos = usize::from(u16::from_le_bytes([e[0], e[1]]));
-            let r = f16::from_le_bytes([e[2], e[3]]).to_f32();
-            let t = k * bt + pos / hd;
-            if t < tokens {
-                f(t, pos % hd, r);
+
+    /// Calls `f(token, channel, correction)` for each entry whose token is
+    /// in the view, set by set.
+    #[inline(always)]
+    fn each(&mut self, mut f: impl FnMut(usize, usize, f32)) {
+        let n = self.n;
+        for (k, set) in self.bytes.chunks_exact(n * OUTLIER_BYTES).enumerate() {
+            let (pos, cor) = set.split_at(2 * n);
+            // Corrections are f16: the slice conversion uses F16C where
+            // the CPU has it (when the bytes are 2-aligned, as a Vec's are).
+            match bytemuck::try_cast_slice::<u8, f16>(cor) {
+                Ok(h) => h.convert_to_f32_slice(&mut self.cor),
+                Err(_) => {
+                    for (d, b) in self.cor.iter_mut().zip(cor.chunks_exact(2)) {
+                        *d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    }
+                }
+            }
+            let base = k * self.bt;
+            for (p, &r) in pos.chunks_exact(2).zip(&self.cor) {
+                let p = usize::from(u16::from_le_bytes([p[0], p[1]]));
+                let (t, c) = match (self.bt, self.shift) {
+                    (1, _) => (base, p),
+                    (_, Some(s)) => (base + (p >> s), p & (self.hd - 1)),
+                    _ => (base + p / self.hd, p % self.hd),
+                };
+                if t < self.tokens {
+                    f(t, c, r);
+                }
             }
         }
+    }
+}
+
+/// Calls `f(token, channel, correction)` for each entry of `head` whose
+/// token is in the view.
+pub(crate) fn for_each(head: &PackedHead<'_>, f: impl FnMut(usize, usize, f32)) {
+    if let Some(mut s) = Sets::new(head) {
+        s.each(f);
     }
 }
 
@@ -260,23 +317,27 @@ pub(crate) fn add_to_rows(head: &PackedHead<'_>, out: &mut [f32]) {
 /// the grid does not hold.
 pub(crate) fn add_scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
-    let nq = q.len() / hd;
-    for_each(head, |t, c, r| {
-        for i in 0..nq {
-            out[i * t_all + t] += q[i * hd + c] * r;
-        }
-    });
+    match q.len() / hd {
+        1 => for_each(head, |t, c, r| out[t] += q[c] * r),
+        nq => for_each(head, |t, c, r| {
+            for i in 0..nq {
+                out[i * t_all + t] += q[i * hd + c] * r;
+            }
+        }),
+    }
 }
 
 /// `out[i·hd + c] += p[i·T + t]·correction` for each entry.
 pub(crate) fn add_weighted(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
-    let nq = out.len() / hd;
-    for_each(head, |t, c, r| {
-        for i in 0..nq {
-            out[i * hd + c] += p[i * t_all + t] * r;
-        }
-    });
+    match out.len() / hd {
+        1 => for_each(head, |t, c, r| out[c] += p[t] * r),
+        nq => for_each(head, |t, c, r| {
+            for i in 0..nq {
+                out[i * hd + c] += p[i * t_all + t] * r;
+            }
+        }),
+    }
 }
 
 /// Check a head's (or a whole tensor's) outlier entries as read from
@@ -289,26 +350,27 @@ pub(crate) fn validate(op: &'static str, l: &Layout, bytes: &[u8]) -> Result<()>
     }
     let elems = l.set_elements();
     for (k, set) in bytes.chunks(n * OUTLIER_BYTES).enumerate() {
+        let bad = |what: String| Error::Malformed {
+            op,
+            what: format!("outlier set {k}: {what}"),
+        };
+        if set.len() < n * OUTLIER_BYTES {
+            return Err(bad("cut short".into()));
+        }
+        let (pos, cor) = set.split_at(2 * n);
         let mut prev: Option<usize> = None;
-        for (j, e) in set.chunks(OUTLIER_BYTES).enumerate() {
-            let bad = |what: String| Error::Malformed {
-                op,
-                what: format!("outlier {j} of set {k}: {what}"),
-            };
-            if e.len() < OUTLIER_BYTES {
-                return Err(bad("cut short".into()));
-            }
-            let pos = usize::from(u16::from_le_bytes([e[0], e[1]]));
-            let r = f16::from_le_bytes([e[2], e[3]]);
-            if pos >= elems || prev.is_some_and(|p| pos <= p) {
+        for (j, (p, r)) in pos.chunks_exact(2).zip(cor.chunks_exact(2)).enumerate() {
+            let p = usize::from(u16::from_le_bytes([p[0], p[1]]));
+            let r = f16::from_le_bytes([r[0], r[1]]);
+            if p >= elems || prev.is_some_and(|q| p <= q) {
                 return Err(bad(format!(
-                    "position {pos} (positions ascend, below {elems})"
+                    "entry {j} at position {p} (positions ascend, below {elems})"
                 )));
             }
             if !r.is_finite() {
-                return Err(bad(format!("correction {r}")));
+                return Err(bad(format!("entry {j}: correction {r}")));
             }
-            prev = Some(pos);
+            prev = Some(p);
         }
     }
     Ok(())
