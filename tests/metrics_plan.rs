@@ -782,6 +782,7 @@ fn planner_ranks_codecs() {
         scale_formats: vec![ScaleFormat::F16],
         levels: vec![None, Some(Levels::Gauss), Some(Levels::Nf4)],
         rotations: vec![Rotation::None, Rotation::Hadamard],
+        outliers: vec![0.0],
     };
     let codecs = grid.codecs();
     // Uniform: 3 bits x 2 axes x 2 modes x 2 rotations = 24; Lloyd-Max on
@@ -1341,4 +1342,73 @@ fn capture_fits_codebooks_where_the_cache_uses_them() {
         plain_cap.with_sinks(96).fit_keys(&start),
         Err(Error::Length { .. })
     ));
+}
+
+/// Outlier shares in the grid: each codec with and without them, their
+/// entries counted in the candidates' bits, and on keys with spikes the
+/// planner prefers the outlier form of a grid to the plain one at the same
+/// width (its error at the point of use is lower for a few more bits).
+#[test]
+fn planner_searches_outlier_codecs() {
+    let shape = AttnShape::new(4, 2, 64).unwrap();
+    let mut caps = synthetic_captures(2, shape, 128, 16, 23);
+    // Spikes in a few keys.
+    for cap in &mut caps {
+        let (q, mut k, v) = (cap.q().to_vec(), cap.k().to_vec(), cap.v().to_vec());
+        for (i, x) in k.iter_mut().enumerate() {
+            if i % 97 == 5 {
+                *x = 30.0 * x.signum() + *x;
+            }
+        }
+        *cap = LayerCapture::from_vecs(shape, q, k, v).unwrap();
+    }
+    let grid = SchemeGrid {
+        bits: vec![2, 3],
+        axes: vec![Axis::PerChannel],
+        groups: vec![Group::Size(32)],
+        outliers: vec![0.0, 0.01],
+        ..SchemeGrid::default()
+    };
+    let codecs = grid.codecs();
+    assert_eq!(codecs.len(), 4, "{codecs:?}");
+    assert_eq!(
+        codecs.iter().filter(|c| c.outlier_fraction() > 0.0).count(),
+        2
+    );
+    // No outliers on whole-vector groups.
+    let vector = SchemeGrid {
+        axes: vec![Axis::PerToken],
+        groups: vec![Group::Vector, Group::Size(32)],
+        ..grid.clone()
+    };
+    assert_eq!(vector.codecs().len(), 2 * 2 + 2);
+    let k3 = QuantScheme::new(3, Axis::PerToken, Group::Size(32)).unwrap();
+    let p = Planner::new(grid.codecs(), vec![kvq::Codec::from(k3)])
+        .unwrap()
+        .plan(&caps, 16.0)
+        .unwrap();
+    for c in &p.ranked {
+        let kb = c.keys.build(2, 64).unwrap().layout().effective_bits();
+        let vb = c.values.build(2, 64).unwrap().layout().effective_bits();
+        assert!(
+            (c.effective_bits - (kb + vb) / 2.0).abs() < 1e-9,
+            "{}",
+            c.label()
+        );
+    }
+    for bits in [2u8, 3] {
+        let score = |f: f64| {
+            p.ranked
+                .iter()
+                .find(|c| c.keys.scheme().bits() == bits && c.keys.outlier_fraction() == f)
+                .unwrap()
+                .score
+        };
+        assert!(
+            score(0.01) < score(0.0),
+            "{bits} bits: {} vs {}",
+            score(0.01),
+            score(0.0)
+        );
+    }
 }

@@ -42,7 +42,7 @@ impl Objective {
 /// symmetric 1-bit) or codec (a codebook on a scheme it does not take, see
 /// [`Codec::codebook`]) are left out; formats that do not fit a capture's
 /// shape are reported in [`Plan::skipped`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SchemeGrid {
     /// Bits per code.
     pub bits: Vec<u8>,
@@ -59,11 +59,15 @@ pub struct SchemeGrid {
     pub levels: Vec<Option<Levels>>,
     /// Rotations around each format.
     pub rotations: Vec<Rotation>,
+    /// Shares of each param set kept as dense-and-sparse outliers
+    /// ([`Codec::with_outliers`]); `0.0` for none.
+    pub outliers: Vec<f64>,
 }
 
 impl Default for SchemeGrid {
     /// Bits 2, 3, 4, 5, 6, 8; both axes; groups of 32, 64 and a head;
-    /// asymmetric; f16 scales; the uniform grid, unrotated. 30 schemes.
+    /// asymmetric; f16 scales; the uniform grid, unrotated, no outliers.
+    /// 30 schemes.
     fn default() -> Self {
         SchemeGrid {
             bits: vec![2, 3, 4, 5, 6, 8],
@@ -73,6 +77,7 @@ impl Default for SchemeGrid {
             scale_formats: vec![ScaleFormat::F16],
             levels: vec![None],
             rotations: vec![Rotation::None],
+            outliers: vec![0.0],
         }
     }
 }
@@ -102,26 +107,38 @@ impl SchemeGrid {
     }
 
     /// Every valid codec of the grid: each scheme of
-    /// [`schemes`](Self::schemes) with each table of `levels` it takes and
-    /// each rotation, in that order, without duplicates. Whether a codebook
-    /// takes a scheme does not depend on the layer's shape, so it is
-    /// checked here on one head of 256 channels.
+    /// [`schemes`](Self::schemes) with each table of `levels` it takes,
+    /// each rotation and each share of `outliers`, in that order, without
+    /// duplicates. Whether a codebook takes a scheme does not depend on the
+    /// layer's shape, so it is checked here on one head of 256 channels;
+    /// outliers are left out of `Group::Vector` schemes (they are per
+    /// head) and shares outside (0, 0.5] other than 0 are dropped.
     pub fn codecs(&self) -> Vec<Codec> {
         let mut out: Vec<Codec> = Vec::new();
         for s in self.schemes() {
             for &l in &self.levels {
                 for &r in &self.rotations {
-                    let c = match l {
-                        None => Codec::uniform(s),
-                        Some(l) => Codec::codebook(s, l),
-                    }
-                    .with_rotation(r);
-                    // Only a codebook that refuses its scheme is left out
-                    // here; a shape this head does not take is reported
-                    // against the captures' shapes.
-                    let valid = !matches!(c.build(1, 256), Err(Error::InvalidConfig { .. }));
-                    if valid && !out.contains(&c) {
-                        out.push(c);
+                    for &f in &self.outliers {
+                        let c = match l {
+                            None => Codec::uniform(s),
+                            Some(l) => Codec::codebook(s, l),
+                        }
+                        .with_rotation(r);
+                        let c = match f {
+                            0.0 => c,
+                            _ if s.group() == Group::Vector => continue,
+                            _ => match c.with_outliers(f) {
+                                Ok(c) => c,
+                                Err(_) => continue,
+                            },
+                        };
+                        // Only a codebook that refuses its scheme is left
+                        // out here; a shape this head does not take is
+                        // reported against the captures' shapes.
+                        let valid = !matches!(c.build(1, 256), Err(Error::InvalidConfig { .. }));
+                        if valid && !out.contains(&c) {
+                            out.push(c);
+                        }
                     }
                 }
             }
@@ -849,9 +866,9 @@ impl Planner {
                 .iter()
                 .map(|c| {
                     let sh = c.shape();
-                    s.scheme()
-                        .layout(sh.n_kv_heads(), sh.head_dim())
-                        .map(|l| l.effective_bits())
+                    // The built codec's layout: outlier entries count.
+                    s.build(sh.n_kv_heads(), sh.head_dim())
+                        .map(|b| b.layout().effective_bits())
                         .expect("filtered above")
                 })
                 .collect()
