@@ -1357,7 +1357,7 @@ fn planner_searches_outlier_codecs() {
         let (q, mut k, v) = (cap.q().to_vec(), cap.k().to_vec(), cap.v().to_vec());
         for (i, x) in k.iter_mut().enumerate() {
             if i % 97 == 5 {
-                *x = 30.0 * x.signum() + *x;
+                *x += 30.0 * x.signum();
             }
         }
         *cap = LayerCapture::from_vecs(shape, q, k, v).unwrap();

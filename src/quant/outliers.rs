@@ -129,14 +129,15 @@ impl<C: KvCodec> Sparse<C> {
         sel.picked.sort_unstable_by_key(|p| p.0);
     }
 
-    /// Write the entries of the picked positions (one set: positions,
-    /// then corrections): `x` minus the grid's decode `dq` there.
-    fn write_entries(sel: &Selector, x: &[f32], dq: &[f32], out: &mut [u8]) {
-        let (pos, cor) = out.split_at_mut(2 * sel.picked.len());
-        for ((pb, cb), &(p, _, _)) in pos
+    /// Write one set's entries (positions, then corrections) for the
+    /// positions `picked`: `x` minus the grid's decode `dq` there (zero
+    /// past `x`, a short block's missing tokens).
+    fn write_entries(picked: &[usize], x: &[f32], dq: &[f32], out: &mut [u8]) {
+        let (pos, cor) = out.split_at_mut(2 * picked.len());
+        for ((pb, cb), &p) in pos
             .chunks_exact_mut(2)
             .zip(cor.chunks_exact_mut(2))
-            .zip(&sel.picked)
+            .zip(picked)
         {
             // (Positions are below 2^16: the layout checks the set size.)
             pb.copy_from_slice(&(p as u16).to_le_bytes());
@@ -144,6 +145,23 @@ impl<C: KvCodec> Sparse<C> {
             cb.copy_from_slice(&f16::from_f32(r).to_le_bytes());
         }
     }
+}
+
+/// What an encode works in, kept per thread: an append allocates nothing.
+#[derive(Debug, Default)]
+struct Scratch {
+    sel: Selector,
+    /// The rows as the grid gets them, their decode, and the picked
+    /// positions of every head.
+    y: Vec<f32>,
+    dq: Vec<f32>,
+    picked: Vec<usize>,
+    /// One head's block (`[tokens, hd]`), per-channel.
+    x: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
 
 /// The greedy choice of outliers: per group its values sorted, and one at
@@ -171,11 +189,25 @@ impl Selector {
     ) {
         self.order.resize_with(groups, Vec::new);
         self.live.clear();
+        let cmp = |a: &usize, b: &usize| x[*a].total_cmp(&x[*b]);
+        // `n` picks reach at most `n` deep into either end, and each pick
+        // looks one further: only the `n + 1` smallest and largest of a
+        // group need their order.
+        let d = n + 1;
         for g in 0..groups {
             let o = &mut self.order[g];
             o.clear();
             o.extend(members(g));
-            o.sort_unstable_by(|&a, &b| x[a].total_cmp(&x[b]));
+            if o.len() <= 2 * d + 1 {
+                o.sort_unstable_by(cmp);
+            } else {
+                o.select_nth_unstable_by(d - 1, cmp);
+                o[..d].sort_unstable_by(cmp);
+                let rest = &mut o[d..];
+                let k = rest.len() - d;
+                rest.select_nth_unstable_by(k, cmp);
+                rest[k..].sort_unstable_by(cmp);
+            }
             self.live.push((0, o.len() - 1));
         }
         let range = |lo: f32, hi: f32| {
@@ -428,35 +460,40 @@ impl<C: KvCodec> KvCodec for Sparse<C> {
         outliers: &mut [u8],
     ) -> Result<()> {
         let l = *self.inner.layout();
-        let (hd, nh) = (l.head_dim(), l.n_kv_heads());
-        let mut y = row.to_vec();
-        let mut sels: Vec<Selector> = (0..nh).map(|_| Selector::default()).collect();
-        for (h, sel) in sels.iter_mut().enumerate() {
-            let r = h * hd..(h + 1) * hd;
-            self.pick(&row[r.clone()], &mut y[r], 1, sel);
-        }
-        self.inner
-            .encode_token(backend, &y, token, codes, params, &mut [])?;
-        let (rb, pb) = (l.row_bytes(), l.head_param_bytes(1));
-        let ob = self.layout.head_outlier_bytes(1);
-        let mut dq = vec![0f32; hd];
-        for (h, sel) in sels.iter().enumerate() {
-            let view = PackedHead {
-                layout: l,
-                tokens: 1,
-                codes: &codes[h * rb..(h + 1) * rb],
-                params: &params[h * pb..(h + 1) * pb],
-                outliers: &[],
-            };
-            self.inner.decode(&view, &mut dq);
-            Self::write_entries(
-                sel,
-                &row[h * hd..(h + 1) * hd],
-                &dq,
-                &mut outliers[h * ob..(h + 1) * ob],
-            );
-        }
-        Ok(())
+        let (hd, nh, n) = (l.head_dim(), l.n_kv_heads(), self.layout.outliers());
+        SCRATCH.with(|sc| {
+            let sc = &mut *sc.borrow_mut();
+            sc.y.clear();
+            sc.y.extend_from_slice(row);
+            sc.picked.clear();
+            for h in 0..nh {
+                let r = h * hd..(h + 1) * hd;
+                self.pick(&row[r.clone()], &mut sc.y[r], 1, &mut sc.sel);
+                sc.picked.extend(sc.sel.picked.iter().map(|p| p.0));
+            }
+            self.inner
+                .encode_token(backend, &sc.y, token, codes, params, &mut [])?;
+            let (rb, pb) = (l.row_bytes(), l.head_param_bytes(1));
+            let ob = self.layout.head_outlier_bytes(1);
+            sc.dq.resize(hd, 0.0);
+            for h in 0..nh {
+                let view = PackedHead {
+                    layout: l,
+                    tokens: 1,
+                    codes: &codes[h * rb..(h + 1) * rb],
+                    params: &params[h * pb..(h + 1) * pb],
+                    outliers: &[],
+                };
+                self.inner.decode(&view, &mut sc.dq);
+                Self::write_entries(
+                    &sc.picked[h * n..(h + 1) * n],
+                    &row[h * hd..(h + 1) * hd],
+                    &sc.dq,
+                    &mut outliers[h * ob..(h + 1) * ob],
+                );
+            }
+            Ok(())
+        })
     }
 
     fn encode_block(
@@ -472,40 +509,37 @@ impl<C: KvCodec> KvCodec for Sparse<C> {
     ) -> Result<()> {
         let l = *self.inner.layout();
         let (hd, w) = (l.head_dim(), l.n_kv_heads() * l.head_dim());
-        let mut x = vec![0f32; tokens * hd];
-        for (t, d) in x.chunks_exact_mut(hd).enumerate() {
-            d.copy_from_slice(&rows[t * w + head * hd..][..hd]);
-        }
-        let mut y = vec![0f32; tokens * hd];
-        let mut sel = Selector::default();
-        self.pick(&x, &mut y, tokens, &mut sel);
-        // The inner encoder reads head `head` of full rows: only that
-        // head's columns are filled.
-        let mut rows_y = vec![0f32; tokens * w];
-        for (t, s) in y.chunks_exact(hd).enumerate() {
-            rows_y[t * w + head * hd..][..hd].copy_from_slice(s);
-        }
-        self.inner.encode_block(
-            backend,
-            &rows_y,
-            tokens,
-            head,
-            token0,
-            codes,
-            params,
-            &mut [],
-        )?;
-        let view = PackedHead {
-            layout: l,
-            tokens,
-            codes: &codes[..l.head_code_bytes(tokens)],
-            params: &params[..l.head_param_bytes(tokens)],
-            outliers: &[],
-        };
-        let mut dq = vec![0f32; tokens * hd];
-        self.inner.decode(&view, &mut dq);
-        Self::write_entries(&sel, &x, &dq, outliers);
-        Ok(())
+        SCRATCH.with(|sc| {
+            let sc = &mut *sc.borrow_mut();
+            let Scratch { sel, y, dq, x, .. } = sc;
+            x.clear();
+            for t in 0..tokens {
+                x.extend_from_slice(&rows[t * w + head * hd..][..hd]);
+            }
+            y.resize(tokens * hd, 0.0);
+            self.pick(x, y, tokens, sel);
+            // The grid's encoder reads head `head` of full rows: the block
+            // goes back into a copy of them.
+            dq.clear();
+            dq.extend_from_slice(&rows[..tokens * w]);
+            for (t, s) in y.chunks_exact(hd).enumerate() {
+                dq[t * w + head * hd..][..hd].copy_from_slice(s);
+            }
+            self.inner
+                .encode_block(backend, dq, tokens, head, token0, codes, params, &mut [])?;
+            let view = PackedHead {
+                layout: l,
+                tokens,
+                codes: &codes[..l.head_code_bytes(tokens)],
+                params: &params[..l.head_param_bytes(tokens)],
+                outliers: &[],
+            };
+            dq.resize(tokens * hd, 0.0);
+            self.inner.decode(&view, dq);
+            let picked: Vec<usize> = sel.picked.iter().map(|p| p.0).collect();
+            Self::write_entries(&picked, x, dq, outliers);
+            Ok(())
+        })
     }
 
     fn scores(
@@ -535,5 +569,92 @@ impl<C: KvCodec> KvCodec for Sparse<C> {
     fn decode(&self, head: &PackedHead<'_>, out: &mut [f32]) {
         self.inner.decode(&head.grid(), out);
         add_to_rows(head, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The greedy choice written plainly: each step recomputes every
+    /// group's range without the values taken so far and drops the end
+    /// that shrinks one most.
+    fn naive(x: &[f32], groups: &[Vec<usize>], sym: bool, n: usize) -> Vec<usize> {
+        let range = |v: &[f32]| {
+            let (lo, hi) = v
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(a, b), &y| (a.min(y), b.max(y)));
+            if sym {
+                lo.abs().max(hi.abs())
+            } else {
+                hi - lo
+            }
+        };
+        let mut taken: Vec<usize> = Vec::new();
+        for _ in 0..n {
+            let mut best: Option<(f32, usize)> = None;
+            for g in groups {
+                let live: Vec<usize> = g.iter().copied().filter(|p| !taken.contains(p)).collect();
+                if live.len() < 2 {
+                    continue;
+                }
+                let vals = |skip: usize| -> Vec<f32> {
+                    live.iter().filter(|&&p| p != skip).map(|&p| x[p]).collect()
+                };
+                let all: Vec<f32> = live.iter().map(|&p| x[p]).collect();
+                let now = range(&all);
+                let lo = *live
+                    .iter()
+                    .min_by(|&&a, &&b| x[a].total_cmp(&x[b]))
+                    .unwrap();
+                let hi = *live
+                    .iter()
+                    .max_by(|&&a, &&b| x[a].total_cmp(&x[b]))
+                    .unwrap();
+                let (rh, rl) = (range(&vals(hi)), range(&vals(lo)));
+                let (after, p) = if rh <= rl { (rh, hi) } else { (rl, lo) };
+                let gain = now * now - after * after;
+                if best.is_none_or(|(b, _)| gain > b) {
+                    best = Some((gain, p));
+                }
+            }
+            match best {
+                Some((_, p)) => taken.push(p),
+                None => break,
+            }
+        }
+        taken.sort_unstable();
+        taken
+    }
+
+    #[test]
+    fn partial_orders_pick_what_the_plain_greedy_picks() {
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            // Distinct values (ties would make either end a valid pick).
+            (s >> 11) as f32 / (1u64 << 53) as f32 * 8.0 - 4.0
+        };
+        for (cpg, groups, n) in [(32, 4, 1), (32, 4, 3), (8, 3, 2), (64, 2, 7), (5, 6, 4)] {
+            for sym in [false, true] {
+                let x: Vec<f32> = (0..cpg * groups)
+                    .map(|i| rnd() * if i % 11 == 3 { 9.0 } else { 1.0 })
+                    .collect();
+                let members: Vec<Vec<usize>> = (0..groups)
+                    .map(|g| (g * cpg..(g + 1) * cpg).collect())
+                    .collect();
+                let mut sel = Selector::default();
+                sel.run(&x, groups, |g| (g * cpg..(g + 1) * cpg).step_by(1), sym, n);
+                let mut got: Vec<usize> = sel.picked.iter().map(|p| p.0).collect();
+                got.sort_unstable();
+                assert_eq!(
+                    got,
+                    naive(&x, &members, sym, n),
+                    "{cpg}x{groups}, n {n}, sym {sym}"
+                );
+            }
+        }
     }
 }

@@ -1186,13 +1186,20 @@ fn attention_kl_with(
 }
 
 /// The candidates [`plan_grid`] chooses from: per-channel keys at 2–8 bits
-/// in blocks of 32, 64 and 128 tokens; rotated values, Lloyd-Max at 2–4
-/// bits and the uniform grid at 5, 6 and 8, in groups of 32 and 64.
+/// in blocks of 32, 64 and 128 tokens, and at 2–4 bits in blocks of 64 and
+/// 128 with 1 % dense-and-sparse outliers; rotated values, Lloyd-Max at
+/// 2–4 bits and the uniform grid at 5, 6 and 8, in groups of 32 and 64.
 pub fn plan_candidates() -> (Vec<Codec>, Vec<Codec>) {
     let mut keys = Vec::new();
     for b in [2u8, 3, 4, 5, 6, 8] {
         for g in [32, 64, 128] {
             keys.push(Codec::uniform(s(b, Axis::PerChannel, Group::Size(g))));
+        }
+    }
+    for b in [2u8, 3, 4] {
+        for g in [64, 128] {
+            let c = Codec::uniform(s(b, Axis::PerChannel, Group::Size(g)));
+            keys.push(c.with_outliers(0.01).expect("1 % is a valid share"));
         }
     }
     let mut values = Vec::new();
