@@ -114,6 +114,19 @@ fn layouts_count_outliers_exactly() {
         "96 keys packed (3 blocks), 100 values"
     );
     assert_eq!(b.full_precision, 4 * 256 * 4);
+    // A pool's pages hold the entries: `page_bytes` counts them, and a pool
+    // of exactly two pages of each tensor takes 128 tokens, not 129.
+    let page = cfg.page_bytes(64).unwrap();
+    assert_eq!(page, kl.bytes(64) + vl.bytes(64));
+    let pool = PagePool::new(64, Some(2 * page)).unwrap();
+    let mut pooled = LayerCache::new_in(cfg, &pool).unwrap();
+    let x = spiky(&mut rng, 129 + 31, 256);
+    pooled.extend(&x[..128 * 256], &x[..128 * 256]).unwrap();
+    assert!(matches!(
+        pooled.extend(&x[128 * 256..], &x[128 * 256..]),
+        Err(Error::PoolExhausted { .. })
+    ));
+    assert_eq!(pooled.len(), 128);
 }
 
 #[test]

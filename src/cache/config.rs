@@ -192,7 +192,8 @@ impl CacheConfig {
         check_shape("CacheConfig::page_bytes", self.n_kv_heads, self.head_dim)?;
         let mut total = 0usize;
         for c in [self.keys, self.values].into_iter().flatten() {
-            let l = c.scheme().layout(self.n_kv_heads, self.head_dim)?;
+            // The built codec's layout: outlier entries take page bytes.
+            let l = *c.build(self.n_kv_heads, self.head_dim)?.layout();
             let unit = l.block_tokens();
             total = total.saturating_add(l.bytes(page_tokens.div_ceil(unit).saturating_mul(unit)));
         }
@@ -205,8 +206,9 @@ impl CacheConfig {
 pub struct CacheBytes {
     /// Packed codes.
     pub codes: usize,
-    /// Scales and zeros, and a fitted codebook's levels
-    /// ([`Codec::table_bytes`](crate::Codec::table_bytes)).
+    /// Scales and zeros, outlier entries
+    /// ([`Codec::with_outliers`](crate::Codec::with_outliers)), and a fitted
+    /// codebook's levels ([`Codec::table_bytes`](crate::Codec::table_bytes)).
     pub params: usize,
     /// Full-precision (f32) sinks, residual window and staging tokens.
     pub full_precision: usize,
