@@ -10,7 +10,7 @@ mod iq4nl {
     include!("data/iq4nl_vectors.rs");
 }
 
-use common::{backends, reseal, Rng, KERNEL_TOL};
+use common::{reseal, Rng};
 use kvq::{
     presets, Axis, Backend, CacheConfig, Codec, Error, FittedLevels, Group, KvCodec, LayerCache,
     Levels, Mode, PackedHead, QuantScheme, Rotation, ScaleFormat,
@@ -248,53 +248,8 @@ impl Packed {
 /// codec's decode, then `f64` sums; tolerance relative to the summed
 /// terms' magnitude, as for the uniform kernels.
 fn check_kernels(p: &Packed, rng: &mut Rng, nq: usize, what: &str) {
-    let hd = p.codec.layout().head_dim();
-    let t = p.tokens;
     for h in 0..p.codes.len() {
-        let head = p.head(h);
-        let mut dec = vec![0f32; t * hd];
-        p.codec.decode(&head, &mut dec);
-        let q: Vec<f32> = (0..nq * hd).map(|_| rng.f()).collect();
-        let pr: Vec<f32> = (0..nq * t).map(|_| rng.unit()).collect();
-        let out0: Vec<f32> = (0..nq * hd).map(|_| rng.f()).collect();
-        for b in backends() {
-            let mut s = vec![f32::NAN; nq * t];
-            p.codec.scores(b, &head, &q, &mut s).unwrap();
-            let mut ws = out0.clone();
-            p.codec.weighted_sum(b, &head, &pr, &mut ws).unwrap();
-            for i in 0..nq {
-                for tt in 0..t {
-                    let (want, mag) = (0..hd).fold((0f64, 0f64), |(w, m), c| {
-                        let x = f64::from(q[i * hd + c]) * f64::from(dec[tt * hd + c]);
-                        (w + x, m + x.abs())
-                    });
-                    let got = f64::from(s[i * t + tt]);
-                    assert!(
-                        (got - want).abs() <= KERNEL_TOL * mag + 1e-30,
-                        "{} scores {what}: query {i} token {tt}: {got} vs {want}",
-                        b.name()
-                    );
-                }
-                for c in 0..hd {
-                    let (want, mag) = (0..t).fold(
-                        (
-                            f64::from(out0[i * hd + c]),
-                            f64::from(out0[i * hd + c]).abs(),
-                        ),
-                        |(w, m), tt| {
-                            let x = f64::from(pr[i * t + tt]) * f64::from(dec[tt * hd + c]);
-                            (w + x, m + x.abs())
-                        },
-                    );
-                    let got = f64::from(ws[i * hd + c]);
-                    assert!(
-                        (got - want).abs() <= KERNEL_TOL * mag + 1e-30,
-                        "{} weighted_sum {what}: query {i} channel {c}: {got} vs {want}",
-                        b.name()
-                    );
-                }
-            }
-        }
+        common::check_codec_kernels(&*p.codec, &p.head(h), None, rng, nq, what);
     }
 }
 

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{backends, max_abs_diff, placed, reseal, Rng, KERNEL_TOL};
+use common::{backends, max_abs_diff, placed, reseal, Rng};
 use kvq::cache::{dense_attention, PagePool};
 use kvq::{
     presets, Axis, Backend, CacheConfig, Codec, Error, Group, KvCodec, LayerCache, Levels, Mode,
@@ -342,63 +342,14 @@ fn term_bounds(p: &Packed, h: usize, dec: &[f32]) -> Vec<f64> {
 /// The oracle: the codec's decode, then `f64` sums; every backend's
 /// scores and weighted sums within the kernels' tolerance of it.
 fn check_kernels(p: &Packed, rng: &mut Rng, nq: usize, what: &str) {
-    let l = *p.codec.layout();
-    let hd = l.head_dim();
     let t = p.tokens;
+    let hd = p.codec.layout().head_dim();
     for h in 0..p.bufs.len() {
         let head = p.head(h);
         let mut dec = vec![0f32; t * hd];
         p.codec.decode(&head, &mut dec);
         let bound = term_bounds(p, h, &dec);
-        let q: Vec<f32> = (0..nq * hd).map(|_| rng.f()).collect();
-        let pr: Vec<f32> = (0..nq * t).map(|_| rng.unit()).collect();
-        let out0: Vec<f32> = (0..nq * hd).map(|_| rng.f()).collect();
-        for b in backends() {
-            let mut s = vec![f32::NAN; nq * t];
-            p.codec.scores(b, &head, &q, &mut s).unwrap();
-            let mut ws = out0.clone();
-            p.codec.weighted_sum(b, &head, &pr, &mut ws).unwrap();
-            // The int8 kernels round the query: their own, looser budget.
-            let tol = if p.codec.spec().int8_kernels() {
-                2e-2
-            } else {
-                KERNEL_TOL
-            };
-            for i in 0..nq {
-                for tt in 0..t {
-                    let (want, mag) = (0..hd).fold((0f64, 0f64), |(w, m), c| {
-                        let x = f64::from(q[i * hd + c]) * f64::from(dec[tt * hd + c]);
-                        let b = f64::from(q[i * hd + c]).abs() * bound[tt * hd + c];
-                        (w + x, m + b)
-                    });
-                    let got = f64::from(s[i * t + tt]);
-                    assert!(
-                        (got - want).abs() <= tol * mag + 1e-30,
-                        "{} scores {what}: query {i} token {tt}: {got} vs {want}",
-                        b.name()
-                    );
-                }
-                for c in 0..hd {
-                    let (want, mag) = (0..t).fold(
-                        (
-                            f64::from(out0[i * hd + c]),
-                            f64::from(out0[i * hd + c]).abs(),
-                        ),
-                        |(w, m), tt| {
-                            let x = f64::from(pr[i * t + tt]) * f64::from(dec[tt * hd + c]);
-                            let b = f64::from(pr[i * t + tt]).abs() * bound[tt * hd + c];
-                            (w + x, m + b)
-                        },
-                    );
-                    let got = f64::from(ws[i * hd + c]);
-                    assert!(
-                        (got - want).abs() <= tol * mag + 1e-30,
-                        "{} weighted_sum {what}: query {i} channel {c}: {got} vs {want}",
-                        b.name()
-                    );
-                }
-            }
-        }
+        common::check_codec_kernels(&*p.codec, &head, Some(&bound), rng, nq, what);
     }
 }
 

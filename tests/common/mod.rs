@@ -181,3 +181,71 @@ pub fn reseal(b: &mut [u8]) {
     let c = checksum(&b[..n]);
     b[n..].copy_from_slice(&c.to_le_bytes());
 }
+
+/// A codec's fused scores and weighted sums on every backend against the
+/// oracle: its own decode of `head`, then `f64` sums. The tolerance is
+/// [`KERNEL_TOL`] (2e-2 for the int8 kernels, which round the query) of
+/// the terms' magnitude, each element's term bounded by `bound` (the
+/// decoded value's magnitude when `None`).
+pub fn check_codec_kernels(
+    codec: &dyn kvq::KvCodec,
+    head: &kvq::PackedHead<'_>,
+    bound: Option<&[f64]>,
+    rng: &mut Rng,
+    nq: usize,
+    what: &str,
+) {
+    let hd = codec.layout().head_dim();
+    let t = head.tokens();
+    let mut dec = vec![0f32; t * hd];
+    codec.decode(head, &mut dec);
+    let own: Vec<f64> = dec.iter().map(|&x| f64::from(x.abs())).collect();
+    let bound = bound.unwrap_or(&own);
+    let q: Vec<f32> = (0..nq * hd).map(|_| rng.f()).collect();
+    let pr: Vec<f32> = (0..nq * t).map(|_| rng.unit()).collect();
+    let out0: Vec<f32> = (0..nq * hd).map(|_| rng.f()).collect();
+    let tol = if codec.spec().int8_kernels() {
+        2e-2
+    } else {
+        KERNEL_TOL
+    };
+    for b in backends() {
+        let mut s = vec![f32::NAN; nq * t];
+        codec.scores(b, head, &q, &mut s).unwrap();
+        let mut ws = out0.clone();
+        codec.weighted_sum(b, head, &pr, &mut ws).unwrap();
+        for i in 0..nq {
+            for tt in 0..t {
+                let (want, mag) = (0..hd).fold((0f64, 0f64), |(w, m), c| {
+                    let qc = f64::from(q[i * hd + c]);
+                    (
+                        w + qc * f64::from(dec[tt * hd + c]),
+                        m + qc.abs() * bound[tt * hd + c],
+                    )
+                });
+                let got = f64::from(s[i * t + tt]);
+                assert!(
+                    (got - want).abs() <= tol * mag + 1e-30,
+                    "{} scores {what}: query {i} token {tt}: {got} vs {want}",
+                    b.name()
+                );
+            }
+            for c in 0..hd {
+                let o = f64::from(out0[i * hd + c]);
+                let (want, mag) = (0..t).fold((o, o.abs()), |(w, m), tt| {
+                    let p = f64::from(pr[i * t + tt]);
+                    (
+                        w + p * f64::from(dec[tt * hd + c]),
+                        m + p.abs() * bound[tt * hd + c],
+                    )
+                });
+                let got = f64::from(ws[i * hd + c]);
+                assert!(
+                    (got - want).abs() <= tol * mag + 1e-30,
+                    "{} weighted_sum {what}: query {i} channel {c}: {got} vs {want}",
+                    b.name()
+                );
+            }
+        }
+    }
+}
