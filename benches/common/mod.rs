@@ -440,6 +440,15 @@ pub fn cache_cases<'a>(
             }),
         ),
         (
+            // The same 3.0-bit layer's grids without the outliers.
+            "cache 3b-prerope".into(),
+            Box::new(move || {
+                let rope = kvq::Rope::new(500_000.0, hd, kvq::RopeStyle::Halves);
+                let k = QuantScheme::new(2, Axis::PerChannel, Group::Size(128)).unwrap();
+                build(base().keys(k).value_codec(gauss(3)).pre_rope(rope))
+            }),
+        ),
+        (
             // 2-bit keys before RoPE in blocks of 128 with 1 % outliers,
             // rotated 3-bit Lloyd-Max values: a 3.0-bit layer.
             "cache 3b-prerope-o1".into(),

@@ -1288,12 +1288,7 @@ impl LayerCache {
                             .copy_from_slice(&s[i * sec.len..(i + 1) * sec.len]);
                     }
                     // Outliers: each entry's share of the rotated key.
-                    crate::quant::outliers::for_each(view, |t, c, r| {
-                        for i in 0..rows {
-                            out[i * width + off + t] +=
-                                rope.score_of(&q[i * hd..(i + 1) * hd], sec.start + t, c, r);
-                        }
-                    });
+                    rope.add_outlier_scores(view, sec.start, q, rows, hd, &mut out[off..], width);
                     continue;
                 }
             }

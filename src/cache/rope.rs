@@ -11,6 +11,7 @@
 
 use super::*;
 use crate::kernels::rope::{RopeRows, ROPE_LO as LO, ROPE_SPILL};
+use crate::store::PackedHead;
 
 /// Which channels of a head RoPE pairs up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -292,32 +293,65 @@ impl RopeTable {
         }
     }
 
-    /// `q·R(p)·(r·e_c)`: the score a value `r` at channel `c` of a
-    /// pre-RoPE key adds once the key is rotated to position `p` (an
-    /// outlier's correction, for one query head `q`).
+    /// Add to `out[i·stride + t]` (queries `i < rows`, `q` `[rows, hd]`)
+    /// each outlier entry's share of its key turned to position `p0 + t`:
+    /// a value `r` at channel `c` of a pre-RoPE key scores
+    /// `q·R(p)·(r·e_c)`, two channels of the query.
     ///
     /// # Panics
-    /// If the table does not cover `p` ([`ensure`](Self::ensure)).
-    pub(super) fn score_of(&self, q: &[f32], p: usize, c: usize, r: f32) -> f32 {
-        let dims = self.rope.dims;
-        let (i, first) = match self.rope.style {
-            _ if c >= dims => return q[c] * r,
-            RopeStyle::Halves if c < dims / 2 => (c, true),
-            RopeStyle::Halves => (c - dims / 2, false),
-            RopeStyle::Adjacent => (c / 2, c.is_multiple_of(2)),
-        };
-        let lanes = self.lanes();
-        // Adjacent pairs: the second channel's lane holds `+sin`.
-        let lane = if self.adjacent() { 2 * i + 1 } else { i };
-        let (h, l) = ((p / LO) * lanes + lane, (p % LO) * lanes + lane);
-        let (hc, hs, lc, ls) = (self.hi.0[h], self.hi.1[h], self.lo.0[l], self.lo.1[l]);
-        let (cos, sin) = (hc * lc - hs * ls, hs * lc + hc * ls);
-        let (a, b) = self.rope.pair(i);
-        if first {
-            r * (q[a] * cos + q[b] * sin)
-        } else {
-            r * (q[b] * cos - q[a] * sin)
-        }
+    /// If the table does not cover the view's positions
+    /// ([`ensure`](Self::ensure)).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn add_outlier_scores(
+        &self,
+        view: &PackedHead<'_>,
+        p0: usize,
+        q: &[f32],
+        rows: usize,
+        hd: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let (dims, lanes, adjacent) = (self.rope.dims, self.lanes(), self.adjacent());
+        let half = dims / 2;
+        let (hc, hs, lc, ls) = (
+            &self.hi.0[..],
+            &self.hi.1[..],
+            &self.lo.0[..],
+            &self.lo.1[..],
+        );
+        crate::quant::outliers::for_each(view, |t, c, r| {
+            if c >= dims {
+                for i in 0..rows {
+                    out[i * stride + t] += q[i * hd + c] * r;
+                }
+                return;
+            }
+            let (pair, first) = if adjacent {
+                (c / 2, c.is_multiple_of(2))
+            } else if c < half {
+                (c, true)
+            } else {
+                (c - half, false)
+            };
+            // Adjacent pairs: the second channel's lane holds `+sin`.
+            let lane = if adjacent { 2 * pair + 1 } else { pair };
+            let p = p0 + t;
+            let (h, l) = ((p / LO) * lanes + lane, (p % LO) * lanes + lane);
+            let (cos, sin) = (hc[h] * lc[l] - hs[h] * ls[l], hs[h] * lc[l] + hc[h] * ls[l]);
+            let (a, b) = if adjacent {
+                (2 * pair, 2 * pair + 1)
+            } else {
+                (pair, pair + half)
+            };
+            // The pair's first channel turns to (cos, sin), its second to
+            // (−sin, cos).
+            let (wa, wb) = if first { (cos, sin) } else { (-sin, cos) };
+            let (wa, wb) = (wa * r, wb * r);
+            for i in 0..rows {
+                out[i * stride + t] += q[i * hd + a] * wa + q[i * hd + b] * wb;
+            }
+        });
     }
 
     /// Rotate `n` rows of one head (`hd` channels each, `rows` holding

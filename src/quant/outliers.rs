@@ -17,7 +17,6 @@
 //! [`Layout::bytes`] and [`Layout::effective_bits`].
 
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 
 use super::codec::{Codec, KvCodec, Pending};
 use crate::error::{Error, Result};
@@ -266,8 +265,26 @@ impl Selector {
     }
 }
 
-/// One head's entries as the post-passes read them: per set, the
-/// positions and the corrections in f32.
+/// An f16's value, inline and without a branch on its class (the post
+/// passes convert one or two corrections per token; a call per value to a
+/// runtime-dispatched conversion costs more than the rest of the work).
+#[inline(always)]
+pub(crate) fn f16_to_f32(h: u16) -> f32 {
+    let h = u32::from(h);
+    let em = h & 0x7fff;
+    // Exponent and mantissa moved into f32's fields, then scaled by
+    // 2^(127−15): exact for normal and subnormal values alike.
+    let v = f32::from_bits(em << 13) * f32::from_bits((254 - 15) << 23);
+    let v = if em >= 0x7c00 {
+        // Infinity and NaN keep an all-ones exponent.
+        f32::from_bits((em << 13) | 0x7f80_0000)
+    } else {
+        v
+    };
+    f32::from_bits(v.to_bits() | (h & 0x8000) << 16)
+}
+
+/// One head's entries as the post-passes read them.
 struct Sets<'a> {
     bytes: &'a [u8],
     n: usize,
@@ -277,7 +294,6 @@ struct Sets<'a> {
     bt: usize,
     shift: Option<u32>,
     tokens: usize,
-    cor: Vec<f32>,
 }
 
 impl<'a> Sets<'a> {
@@ -294,30 +310,20 @@ impl<'a> Sets<'a> {
                 .is_power_of_two()
                 .then(|| l.head_dim().trailing_zeros()),
             tokens: head.tokens,
-            cor: vec![0.0; n],
         })
     }
 
     /// Calls `f(token, channel, correction)` for each entry whose token is
     /// in the view, set by set.
     #[inline(always)]
-    fn each(&mut self, mut f: impl FnMut(usize, usize, f32)) {
+    fn each(&self, mut f: impl FnMut(usize, usize, f32)) {
         let n = self.n;
         for (k, set) in self.bytes.chunks_exact(n * OUTLIER_BYTES).enumerate() {
             let (pos, cor) = set.split_at(2 * n);
-            // Corrections are f16: the slice conversion uses F16C where
-            // the CPU has it (when the bytes are 2-aligned, as a Vec's are).
-            match bytemuck::try_cast_slice::<u8, f16>(cor) {
-                Ok(h) => h.convert_to_f32_slice(&mut self.cor),
-                Err(_) => {
-                    for (d, b) in self.cor.iter_mut().zip(cor.chunks_exact(2)) {
-                        *d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                    }
-                }
-            }
             let base = k * self.bt;
-            for (p, &r) in pos.chunks_exact(2).zip(&self.cor) {
+            for (p, r) in pos.chunks_exact(2).zip(cor.chunks_exact(2)) {
                 let p = usize::from(u16::from_le_bytes([p[0], p[1]]));
+                let r = f16_to_f32(u16::from_le_bytes([r[0], r[1]]));
                 let (t, c) = match (self.bt, self.shift) {
                     (1, _) => (base, p),
                     (_, Some(s)) => (base + (p >> s), p & (self.hd - 1)),
@@ -334,7 +340,7 @@ impl<'a> Sets<'a> {
 /// Calls `f(token, channel, correction)` for each entry of `head` whose
 /// token is in the view.
 pub(crate) fn for_each(head: &PackedHead<'_>, f: impl FnMut(usize, usize, f32)) {
-    if let Some(mut s) = Sets::new(head) {
+    if let Some(s) = Sets::new(head) {
         s.each(f);
     }
 }
@@ -625,6 +631,18 @@ mod tests {
         }
         taken.sort_unstable();
         taken
+    }
+
+    #[test]
+    fn f16_conversion_is_exact() {
+        for h in 0..=u16::MAX {
+            let (got, want) = (f16_to_f32(h), f16::from_bits(h).to_f32());
+            if want.is_nan() {
+                assert!(got.is_nan(), "{h:#06x}");
+            } else {
+                assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}: {got} vs {want}");
+            }
+        }
     }
 
     #[test]
