@@ -432,6 +432,13 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
                     }
                     g.push(c);
                 }
+                // Outliers in the keys alone (values are spread evenly).
+                if b < 4 {
+                    let mut c = kivi.clone();
+                    c.name = format!("{} +o1% keys", c.name);
+                    c.spec.key_outliers = 0.01;
+                    g.push(c);
+                }
             }
             // Keys before RoPE in per-channel blocks of 64 and 128 tokens,
             // with outliers, beside rotated Lloyd-Max values.
