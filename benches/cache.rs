@@ -42,8 +42,20 @@ fn append(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_millis(500));
     g.throughput(Throughput::Bytes((2 * tokens * w * 4) as u64));
-    for (name, ks, vs) in schemes() {
-        let cfg = CacheConfig::new(n_kv, hd).keys(ks).values(vs);
+    // The schemes, and KIVI-4 with 1 % outliers in keys and values (the
+    // encoder picks and corrects them).
+    let (k4, v4) = presets::kivi(4).unwrap();
+    let o = |s| kvq::Codec::from(s).with_outliers(0.01).unwrap();
+    let cfgs = schemes()
+        .into_iter()
+        .map(|(name, ks, vs)| (name, CacheConfig::new(n_kv, hd).keys(ks).values(vs)))
+        .chain([(
+            "kivi4-o1",
+            CacheConfig::new(n_kv, hd)
+                .key_codec(o(k4))
+                .value_codec(o(v4)),
+        )]);
+    for (name, cfg) in cfgs {
         let mut cache = LayerCache::new(cfg).unwrap();
         g.bench_function(BenchmarkId::new("extend", name), |b| {
             b.iter(|| {

@@ -16,12 +16,16 @@
 //! rounded up, at least one. Entries cost [`OUTLIER_BYTES`] each, counted by
 //! [`Layout::bytes`] and [`Layout::effective_bits`].
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::Arc;
+
 use half::f16;
 
 use super::codec::{Codec, KvCodec, Pending};
 use crate::error::{Error, Result};
 use crate::scheme::{Axis, Layout, Mode, OUTLIER_BYTES};
-use crate::simd::Backend;
+use crate::simd::{Backend, Kernel};
 use crate::store::PackedHead;
 
 /// The largest `|x|` a codec with outliers stores: its corrections are f16,
@@ -44,6 +48,9 @@ pub(crate) fn count(per: u16, elements: usize) -> usize {
 #[derive(Debug)]
 pub struct Sparse<C> {
     inner: C,
+    /// The same grid for one head: a per-channel block is encoded head by
+    /// head from that head's values alone, without copying whole rows.
+    single: Arc<dyn KvCodec>,
     layout: Layout,
     per: u16,
 }
@@ -76,7 +83,13 @@ impl<C: KvCodec> Sparse<C> {
             });
         }
         let layout = il.with_outliers(count(per, il.set_elements()))?;
-        Ok(Sparse { inner, layout, per })
+        let single = inner.spec().build(1, il.head_dim())?;
+        Ok(Sparse {
+            inner,
+            single,
+            layout,
+            per,
+        })
     }
 
     /// Pick the outliers of one param set `x` (`[tb, hd]` token-major,
@@ -93,6 +106,7 @@ impl<C: KvCodec> Sparse<C> {
                     x,
                     hd / cpg,
                     |g| (g * cpg..(g + 1) * cpg).step_by(1),
+                    false,
                     sym,
                     self.layout.outliers(),
                 );
@@ -102,6 +116,7 @@ impl<C: KvCodec> Sparse<C> {
                     x,
                     hd,
                     |c| (c..tb * hd).step_by(hd),
+                    true,
                     sym,
                     self.layout.outliers(),
                 );
@@ -163,51 +178,208 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
 
-/// The greedy choice of outliers: per group its values sorted, and one at
-/// a time the end (low or high) whose removal shrinks its group's range
-/// (squared) the most.
-#[derive(Debug, Default)]
+/// The greedy choice of outliers: one at a time, the end (low or high) of
+/// a group whose removal shrinks that group's range (squared) the most.
+/// A group is scanned for its two lowest and two highest live values, and
+/// scanned again only when a pick takes from it: a set of `E` values in
+/// groups of `L` costs `E + n·L` reads, not a sort of every group.
+#[derive(Debug)]
 struct Selector {
-    /// Per group: its element positions sorted by value, and the live
-    /// `lo..=hi` window into them.
-    order: Vec<Vec<usize>>,
-    live: Vec<(usize, usize)>,
+    /// Where the column scan runs.
+    backend: Backend,
+    /// Whether each position of the set has been taken.
+    taken: Vec<bool>,
+    /// Per group: its live extremes.
+    ext: Vec<Ends>,
     /// `(position, low, high)`: the position and its group's range once
     /// every pick is made.
     picked: Vec<(usize, f32, f32)>,
 }
 
+impl Default for Selector {
+    fn default() -> Self {
+        Selector {
+            backend: Backend::Portable,
+            taken: Vec::new(),
+            ext: Vec::new(),
+            picked: Vec::new(),
+        }
+    }
+}
+
+/// [`Ends::columns`] as a kernel.
+struct Columns<'a> {
+    x: &'a [f32],
+    w: usize,
+    out: &'a mut Vec<Ends>,
+}
+
+impl Kernel for Columns<'_> {
+    type Output = ();
+
+    fn portable(self) {
+        Ends::columns_body(self.x, self.w, self.out);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn simd<S: crate::simd::x86_64::Simd>(self, _s: S) {
+        Ends::columns_body(self.x, self.w, self.out);
+    }
+}
+
+/// A group's two lowest and two highest live values (positions), and how
+/// many are live.
+#[derive(Debug, Clone, Copy, Default)]
+struct Ends {
+    lo: [usize; 2],
+    hi: [usize; 2],
+    live: usize,
+}
+
+impl Ends {
+    /// [`scan`](Self::scan) of every column of `x` (rows of `w` values) at
+    /// once, row by row: each row's update is the same selects for every
+    /// column, so it runs on vectors (compiled in `backend`'s trampoline).
+    fn columns(backend: Backend, x: &[f32], w: usize, out: &mut Vec<Ends>) {
+        backend.dispatch(Columns { x, w, out });
+    }
+
+    #[inline(always)]
+    fn columns_body(x: &[f32], w: usize, out: &mut Vec<Ends>) {
+        let rows = x.len() / w;
+        let (mut lo0, mut hi0) = (x[..w].to_vec(), x[..w].to_vec());
+        let (mut lo1, mut hi1) = (vec![f32::INFINITY; w], vec![f32::NEG_INFINITY; w]);
+        let init: Vec<u32> = (0..w as u32).collect();
+        let (mut plo0, mut plo1, mut phi0, mut phi1) =
+            (init.clone(), init.clone(), init.clone(), init);
+        for t in 1..rows {
+            let row = &x[t * w..(t + 1) * w];
+            let base = (t * w) as u32;
+            for c in 0..w {
+                let (v, p) = (row[c], base + c as u32);
+                // Strict comparisons: among equal values the first stays.
+                let (below0, below1) = (v < lo0[c], v < lo1[c]);
+                plo1[c] = if below0 {
+                    plo0[c]
+                } else if below1 {
+                    p
+                } else {
+                    plo1[c]
+                };
+                lo1[c] = if below0 {
+                    lo0[c]
+                } else if below1 {
+                    v
+                } else {
+                    lo1[c]
+                };
+                plo0[c] = if below0 { p } else { plo0[c] };
+                lo0[c] = if below0 { v } else { lo0[c] };
+                let (above0, above1) = (v > hi0[c], v > hi1[c]);
+                phi1[c] = if above0 {
+                    phi0[c]
+                } else if above1 {
+                    p
+                } else {
+                    phi1[c]
+                };
+                hi1[c] = if above0 {
+                    hi0[c]
+                } else if above1 {
+                    v
+                } else {
+                    hi1[c]
+                };
+                phi0[c] = if above0 { p } else { phi0[c] };
+                hi0[c] = if above0 { v } else { hi0[c] };
+            }
+        }
+        out.extend((0..w).map(|c| Ends {
+            lo: [plo0[c] as usize, plo1[c] as usize],
+            hi: [phi0[c] as usize, phi1[c] as usize],
+            live: rows,
+        }));
+    }
+
+    fn scan(x: &[f32], members: impl Iterator<Item = usize>, taken: &[bool]) -> Ends {
+        let (mut lo, mut hi) = ([f32::INFINITY; 2], [f32::NEG_INFINITY; 2]);
+        let (mut pl, mut ph) = ([usize::MAX; 2], [usize::MAX; 2]);
+        let mut live = 0;
+        for p in members.filter(|&p| !taken[p]) {
+            let v = x[p];
+            // Selects, not branches: which value is lowest is data, and a
+            // mispredicted branch per value cost more than the update.
+            // Strict comparisons: among equal values the first stays.
+            let (b0, b1) = (v < lo[0], v < lo[1]);
+            pl[1] = if b0 {
+                pl[0]
+            } else if b1 {
+                p
+            } else {
+                pl[1]
+            };
+            lo[1] = if b0 {
+                lo[0]
+            } else if b1 {
+                v
+            } else {
+                lo[1]
+            };
+            pl[0] = if b0 { p } else { pl[0] };
+            lo[0] = if b0 { v } else { lo[0] };
+            let (a0, a1) = (v > hi[0], v > hi[1]);
+            ph[1] = if a0 {
+                ph[0]
+            } else if a1 {
+                p
+            } else {
+                ph[1]
+            };
+            hi[1] = if a0 {
+                hi[0]
+            } else if a1 {
+                v
+            } else {
+                hi[1]
+            };
+            ph[0] = if a0 { p } else { ph[0] };
+            hi[0] = if a0 { v } else { hi[0] };
+            live += 1;
+        }
+        if live == 1 {
+            (pl[1], ph[1]) = (pl[0], ph[0]);
+        }
+        Ends {
+            lo: pl,
+            hi: ph,
+            live,
+        }
+    }
+}
+
 impl Selector {
+    /// `columns`: the groups are the `groups` columns of `x` (rows of
+    /// `groups` values; per-channel blocks), first scanned row by row.
+    #[allow(clippy::too_many_arguments)]
     fn run<I: Iterator<Item = usize>>(
         &mut self,
         x: &[f32],
         groups: usize,
         members: impl Fn(usize) -> I,
+        columns: bool,
         sym: bool,
         n: usize,
     ) {
-        self.order.resize_with(groups, Vec::new);
-        self.live.clear();
-        let cmp = |a: &usize, b: &usize| x[*a].total_cmp(&x[*b]);
-        // `n` picks reach at most `n` deep into either end, and each pick
-        // looks one further: only the `n + 1` smallest and largest of a
-        // group need their order.
-        let d = n + 1;
-        for g in 0..groups {
-            let o = &mut self.order[g];
-            o.clear();
-            o.extend(members(g));
-            if o.len() <= 2 * d + 1 {
-                o.sort_unstable_by(cmp);
-            } else {
-                o.select_nth_unstable_by(d - 1, cmp);
-                o[..d].sort_unstable_by(cmp);
-                let rest = &mut o[d..];
-                let k = rest.len() - d;
-                rest.select_nth_unstable_by(k, cmp);
-                rest[k..].sort_unstable_by(cmp);
+        self.taken.clear();
+        self.taken.resize(x.len(), false);
+        self.ext.clear();
+        if columns {
+            Ends::columns(self.backend, x, groups, &mut self.ext);
+        } else {
+            for g in 0..groups {
+                self.ext.push(Ends::scan(x, members(g), &self.taken));
             }
-            self.live.push((0, o.len() - 1));
         }
         let range = |lo: f32, hi: f32| {
             if sym {
@@ -216,44 +388,47 @@ impl Selector {
                 hi - lo
             }
         };
-        // The better end of group `g` to drop: (gain, drop the high end).
-        let best = |o: &[usize], (a, b): (usize, usize)| -> Option<(f32, bool)> {
-            if a >= b {
+        // The better end of a group to drop: (gain, drop the high end).
+        let best = |e: &Ends| -> Option<(f32, bool)> {
+            if e.live < 2 {
                 return None;
             }
-            let now = range(x[o[a]], x[o[b]]);
-            let hi = range(x[o[a]], x[o[b - 1]]);
-            let lo = range(x[o[a + 1]], x[o[b]]);
+            let now = range(x[e.lo[0]], x[e.hi[0]]);
+            let hi = range(x[e.lo[0]], x[e.hi[1]]);
+            let lo = range(x[e.lo[1]], x[e.hi[0]]);
             let (after, high) = if hi <= lo { (hi, true) } else { (lo, false) };
             Some((now * now - after * after, high))
         };
+        // Each group's better end in a max-heap by gain (ties: the lowest
+        // group), so a pick costs a log, not a scan of every group; only
+        // the picked group's entry changes.
+        let key = |g: usize, (gain, high): (f32, bool)| (gain.max(0.0).to_bits(), Reverse(g), high);
+        let mut heap = BinaryHeap::with_capacity(groups);
+        for (g, e) in self.ext.iter().enumerate() {
+            if let Some(b) = best(e) {
+                heap.push(key(g, b));
+            }
+        }
         let mut dropped = Vec::with_capacity(n);
         for _ in 0..n {
-            let mut pick: Option<(usize, f32, bool)> = None;
-            for g in 0..groups {
-                if let Some((gain, high)) = best(&self.order[g], self.live[g]) {
-                    if pick.is_none_or(|(_, b, _)| gain > b) {
-                        pick = Some((g, gain, high));
-                    }
-                }
-            }
             // Every group down to one value: nothing left to take (only for
             // sets of at most two values per group, refused by the layout).
-            let Some((g, _, high)) = pick else { break };
-            let (a, b) = &mut self.live[g];
-            if high {
-                dropped.push((g, self.order[g][*b]));
-                *b -= 1;
-            } else {
-                dropped.push((g, self.order[g][*a]));
-                *a += 1;
+            let Some((_, Reverse(g), high)) = heap.pop() else {
+                break;
+            };
+            let e = self.ext[g];
+            let p = if high { e.hi[0] } else { e.lo[0] };
+            self.taken[p] = true;
+            dropped.push((g, p));
+            self.ext[g] = Ends::scan(x, members(g), &self.taken);
+            if let Some(b) = best(&self.ext[g]) {
+                heap.push(key(g, b));
             }
         }
         self.picked.clear();
         for (g, pos) in dropped {
-            let (a, b) = self.live[g];
-            let o = &self.order[g];
-            let (lo, hi) = (x[o[a]], x[o[b]]);
+            let e = self.ext[g];
+            let (lo, hi) = (x[e.lo[0]], x[e.hi[0]]);
             let (lo, hi) = if sym {
                 let m = lo.abs().max(hi.abs());
                 (-m, m)
@@ -523,25 +698,22 @@ impl<C: KvCodec> KvCodec for Sparse<C> {
                 x.extend_from_slice(&rows[t * w + head * hd..][..hd]);
             }
             y.resize(tokens * hd, 0.0);
+            sel.backend = backend;
             self.pick(x, y, tokens, sel);
-            // The grid's encoder reads head `head` of full rows: the block
-            // goes back into a copy of them.
-            dq.clear();
-            dq.extend_from_slice(&rows[..tokens * w]);
-            for (t, s) in y.chunks_exact(hd).enumerate() {
-                dq[t * w + head * hd..][..hd].copy_from_slice(s);
-            }
-            self.inner
-                .encode_block(backend, dq, tokens, head, token0, codes, params, &mut [])?;
+            // The head's block alone, through the one-head grid: the same
+            // codes and params as head `head` of full rows.
+            let one = *self.single.layout();
+            self.single
+                .encode_block(backend, y, tokens, 0, token0, codes, params, &mut [])?;
             let view = PackedHead {
-                layout: l,
+                layout: one,
                 tokens,
-                codes: &codes[..l.head_code_bytes(tokens)],
-                params: &params[..l.head_param_bytes(tokens)],
+                codes: &codes[..one.head_code_bytes(tokens)],
+                params: &params[..one.head_param_bytes(tokens)],
                 outliers: &[],
             };
             dq.resize(tokens * hd, 0.0);
-            self.inner.decode(&view, dq);
+            self.single.decode(&view, dq);
             let picked: Vec<usize> = sel.picked.iter().map(|p| p.0).collect();
             Self::write_entries(&picked, x, dq, outliers);
             Ok(())
@@ -664,7 +836,35 @@ mod tests {
                     .map(|g| (g * cpg..(g + 1) * cpg).collect())
                     .collect();
                 let mut sel = Selector::default();
-                sel.run(&x, groups, |g| (g * cpg..(g + 1) * cpg).step_by(1), sym, n);
+                sel.run(
+                    &x,
+                    groups,
+                    |g| (g * cpg..(g + 1) * cpg).step_by(1),
+                    false,
+                    sym,
+                    n,
+                );
+                // The same set as columns: per-channel groups.
+                let mut by_col = Selector::default();
+                let rows = cpg * groups / 8;
+                by_col.run(
+                    &x[..rows * 8],
+                    8,
+                    |c| (c..rows * 8).step_by(8),
+                    true,
+                    sym,
+                    n,
+                );
+                let mut sel2 = Selector::default();
+                sel2.run(
+                    &x[..rows * 8],
+                    8,
+                    |c| (c..rows * 8).step_by(8),
+                    false,
+                    sym,
+                    n,
+                );
+                assert_eq!(by_col.picked, sel2.picked, "column scan");
                 let mut got: Vec<usize> = sel.picked.iter().map(|p| p.0).collect();
                 got.sort_unstable();
                 assert_eq!(
