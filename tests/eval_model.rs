@@ -1554,8 +1554,17 @@ fn every_sweep_grid_builds() {
         GridKind::Rotation,
         GridKind::Plan,
         GridKind::Fit,
+        GridKind::Outliers,
     ] {
         let g = grid(kind, 0, 0);
+        if kind == GridKind::Outliers {
+            let with = g.iter().filter(|c| {
+                c.spec
+                    .key_codec()
+                    .is_some_and(|k| k.outlier_fraction() > 0.0)
+            });
+            assert_eq!(with.count(), 2 * 3 + 2 + 8, "{kind:?}");
+        }
         assert!(g[0].is_baseline(), "{kind:?}");
         let mut names: Vec<_> = g.iter().map(|c| c.name.clone()).collect();
         names.sort();
