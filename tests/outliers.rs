@@ -114,6 +114,17 @@ fn layouts_count_outliers_exactly() {
         "96 keys packed (3 blocks), 100 values"
     );
     assert_eq!(b.full_precision, 4 * 256 * 4);
+    // The memory model of one such layer holds the same bytes.
+    let m = kvq::MemoryModel::new(1, &[0], 2, 128)
+        .unwrap()
+        .with_codecs(c, v)
+        .unwrap();
+    assert_eq!(
+        m.layer_cache_bytes(96) as usize,
+        kl.bytes(96) + vl.bytes(96)
+    );
+    let eb = (kl.effective_bits() + vl.effective_bits()) / 2.0;
+    assert!((m.effective_bits() - eb).abs() < 1e-12);
     // A pool's pages hold the entries: `page_bytes` counts them, and a pool
     // of exactly two pages of each tensor takes 128 tokens, not 129.
     let page = cfg.page_bytes(64).unwrap();

@@ -108,6 +108,8 @@ pub struct MemoryModel {
     state_per_linear_layer: u64,
     format: CacheFormat,
     layouts: Option<(Layout, Layout)>,
+    /// Bytes per attention layer whatever its length: fitted tables.
+    tables: usize,
 }
 
 impl MemoryModel {
@@ -158,6 +160,7 @@ impl MemoryModel {
             state_per_linear_layer: 0,
             format: CacheFormat::Bf16,
             layouts: None,
+            tables: 0,
         })
     }
 
@@ -221,6 +224,39 @@ impl MemoryModel {
             _ => None,
         };
         self.format = format;
+        self.tables = 0;
+        Ok(self)
+    }
+
+    /// The cache stored through the codecs `keys` and `values`: their
+    /// built layouts, so outlier entries ([`Codec::with_outliers`]) and
+    /// fitted tables ([`Codec::table_bytes`], per layer) are counted.
+    /// [`format`](Self::format) reports their schemes.
+    ///
+    /// ```
+    /// use kvq::{presets, Codec, MemoryModel};
+    /// let (k, v) = presets::kivi(2)?;
+    /// let m = MemoryModel::new(30, &(0..30).collect::<Vec<_>>(), 3, 64)?;
+    /// let plain = m.clone().with_codecs(Codec::from(k), Codec::from(v))?;
+    /// let o = |s| Codec::from(s).with_outliers(0.01);
+    /// let sparse = m.with_codecs(o(k)?, o(v)?)?;
+    /// assert_eq!(plain.effective_bits(), 3.0);
+    /// assert!(sparse.effective_bits() > 3.4 && sparse.effective_bits() < 3.45);
+    /// assert!(sparse.cache_bytes(4096) > plain.cache_bytes(4096));
+    /// # Ok::<(), kvq::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Codec::build`] for codecs that do not fit
+    /// `n_kv_heads`/`head_dim`.
+    pub fn with_codecs(mut self, keys: Codec, values: Codec) -> Result<Self> {
+        let (n, hd) = (self.n_kv_heads, self.head_dim);
+        self.layouts = Some((*keys.build(n, hd)?.layout(), *values.build(n, hd)?.layout()));
+        self.format = CacheFormat::Quantized {
+            keys: keys.scheme(),
+            values: values.scheme(),
+        };
+        self.tables = keys.table_bytes() + values.table_bytes();
         Ok(self)
     }
 
@@ -266,7 +302,9 @@ impl MemoryModel {
         let t = tokens as u128;
         match (self.format.dense_bytes(), &self.layouts) {
             (Some(b), _) => 2 * t * (self.n_kv_heads * self.head_dim * b) as u128,
-            (None, Some((k, v))) => layout_bytes(k, tokens) + layout_bytes(v, tokens),
+            (None, Some((k, v))) => {
+                layout_bytes(k, tokens) + layout_bytes(v, tokens) + self.tables as u128
+            }
             (None, None) => unreachable!("a quantized format always has layouts"),
         }
     }
