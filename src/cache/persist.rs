@@ -442,14 +442,15 @@ impl Tensor {
         };
         o.put(bytemuck::bytes_of(&h))?;
         o.put_f32(&self.sink)?;
-        for h in 0..self.n_codes {
-            o.put(&self.head_codes(h))?;
-        }
-        for i in 0..self.n_params {
-            o.put(&self.param_buf(i))?;
-        }
-        for h in 0..self.n_codes {
-            o.put(&self.outlier_buf(h))?;
+        // Codes per head, params, then outlier entries per head (none
+        // without outliers).
+        for (kind, n) in [self.n_codes, self.n_params, self.n_codes]
+            .into_iter()
+            .enumerate()
+        {
+            for i in 0..n {
+                o.put(&self.buf(kind, i))?;
+            }
         }
         o.put_f32(self.tail_slice())
     }

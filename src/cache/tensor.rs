@@ -61,9 +61,10 @@ impl PartialEq for Tensor {
             && self.sink == o.sink
             && self.tail_slice() == o.tail_slice()
             && self.packed == o.packed
-            && (0..self.n_codes).all(|h| self.head_codes(h) == o.head_codes(h))
-            && (0..self.n_params).all(|i| self.param_buf(i) == o.param_buf(i))
-            && (0..self.n_codes).all(|h| self.outlier_buf(h) == o.outlier_buf(h))
+            && [self.n_codes, self.n_params, self.n_codes]
+                .into_iter()
+                .enumerate()
+                .all(|(kind, n)| (0..n).all(|i| self.buf(kind, i) == o.buf(kind, i)))
             && (!self.pending_live() || self.pend == o.pend)
     }
 }
@@ -494,39 +495,20 @@ impl Tensor {
             })
     }
 
-    /// Head `h`'s packed codes, all pages in order.
-    pub(super) fn head_codes(&self, h: usize) -> Vec<u8> {
+    /// Buffer `i` of kind `kind` (0 codes per head, 1 params, 2 outlier
+    /// entries per head), all pages in order; empty for a kind the format
+    /// does not have.
+    pub(super) fn buf(&self, kind: usize, i: usize) -> Vec<u8> {
         let Some(l) = self.layout() else {
             return Vec::new();
         };
-        let mut out = Vec::with_capacity(l.head_code_bytes(self.packed));
-        for seg in &self.pages {
-            out.extend_from_slice(&seg.data.codes[h][..l.head_code_bytes(seg.tokens)]);
-        }
-        out
-    }
-
-    /// Param buffer `i`, all pages in order.
-    pub(super) fn param_buf(&self, i: usize) -> Vec<u8> {
-        let Some(l) = self.layout() else {
+        if self.buf_counts(&l)[kind] == 0 {
             return Vec::new();
-        };
-        let mut out = Vec::with_capacity(self.param_len(&l, self.packed));
-        for seg in &self.pages {
-            out.extend_from_slice(&seg.data.params[i][..self.param_len(&l, seg.tokens)]);
         }
-        out
-    }
-
-    /// Head `h`'s outlier entries, all pages in order (empty for formats
-    /// without).
-    pub(super) fn outlier_buf(&self, h: usize) -> Vec<u8> {
-        let Some(l) = self.layout().filter(|l| l.outliers() > 0) else {
-            return Vec::new();
-        };
-        let mut out = Vec::with_capacity(l.head_outlier_bytes(self.packed));
+        let np = self.n_params;
+        let mut out = Vec::with_capacity(buf_lens(&l, np, self.packed)[kind]);
         for seg in &self.pages {
-            out.extend_from_slice(&seg.data.outliers[h][..l.head_outlier_bytes(seg.tokens)]);
+            out.extend_from_slice(&seg.data.bufs()[kind][i][..buf_lens(&l, np, seg.tokens)[kind]]);
         }
         out
     }

@@ -105,7 +105,7 @@ impl<C: KvCodec> Sparse<C> {
                 sel.run(
                     x,
                     hd / cpg,
-                    |g| (g * cpg..(g + 1) * cpg).step_by(1),
+                    |g| g * cpg..(g + 1) * cpg,
                     false,
                     sym,
                     self.layout.outliers(),
@@ -695,7 +695,13 @@ impl<C: KvCodec> KvCodec for Sparse<C> {
         let (hd, w) = (l.head_dim(), l.n_kv_heads() * l.head_dim());
         SCRATCH.with(|sc| {
             let sc = &mut *sc.borrow_mut();
-            let Scratch { sel, y, dq, x, .. } = sc;
+            let Scratch {
+                sel,
+                y,
+                dq,
+                picked,
+                x,
+            } = sc;
             x.clear();
             for t in 0..tokens {
                 x.extend_from_slice(&rows[t * w + head * hd..][..hd]);
@@ -717,8 +723,9 @@ impl<C: KvCodec> KvCodec for Sparse<C> {
             };
             dq.resize(tokens * hd, 0.0);
             self.single.decode(&view, dq);
-            let picked: Vec<usize> = sel.picked.iter().map(|p| p.0).collect();
-            Self::write_entries(&picked, x, dq, outliers);
+            picked.clear();
+            picked.extend(sel.picked.iter().map(|p| p.0));
+            Self::write_entries(picked, x, dq, outliers);
             Ok(())
         })
     }
@@ -839,14 +846,7 @@ mod tests {
                     .map(|g| (g * cpg..(g + 1) * cpg).collect())
                     .collect();
                 let mut sel = Selector::default();
-                sel.run(
-                    &x,
-                    groups,
-                    |g| (g * cpg..(g + 1) * cpg).step_by(1),
-                    false,
-                    sym,
-                    n,
-                );
+                sel.run(&x, groups, |g| g * cpg..(g + 1) * cpg, false, sym, n);
                 // The same set as columns: per-channel groups.
                 let mut by_col = Selector::default();
                 let rows = cpg * groups / 8;
