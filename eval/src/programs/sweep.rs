@@ -432,7 +432,7 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
                     }
                     g.push(c);
                 }
-                // Outliers in the keys alone (values are spread evenly).
+                // Outliers in the keys alone: what the value entries add.
                 if b < 4 {
                     let mut c = kivi.clone();
                     c.name = format!("{} +o1% keys", c.name);
