@@ -524,6 +524,83 @@ fn causal_block_attention_and_window() {
 }
 
 #[test]
+fn long_prefill_in_key_chunks_and_position_ranges() {
+    // One KV head of 64 and eight query heads (MQA): a prefill block is 64
+    // rows, so its keys are taken in chunks of 1024 positions and folded
+    // into a running softmax, and two threads split the 1500 positions.
+    // Sinks, a residual window and per-channel blocks put chunk edges on
+    // every kind of storage; two threads must agree with one and with
+    // dense attention over the dequantized cache.
+    let (n_kv, hd, n_q, len, n) = (1, 64, 8, 3000, 1500);
+    let (k, v) = kivi(4);
+    let mk = |t| {
+        CacheConfig::new(n_kv, hd)
+            .keys(k)
+            .values(v)
+            .residual(50)
+            .sinks(3)
+            .threads(t)
+    };
+    let mut rng = Rng::new(77);
+    let w = n_kv * hd;
+    let (ks, vs) = (rng.vec(len * w), rng.vec(len * w));
+    let mut one = LayerCache::new(mk(1)).unwrap();
+    one.extend(&ks, &vs).unwrap();
+    let mut two = LayerCache::new(mk(2)).unwrap();
+    two.extend(&ks, &vs).unwrap();
+    let (kd, vd) = (two.keys_f32(), two.values_f32());
+    let q: Vec<f32> = rng.vec(n * n_q * hd).iter().map(|x| 3.0 * x).collect();
+    for window in [None, Some(700), Some(5)] {
+        let (mut oa, mut ob) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+        one.attend_causal(&q, n_q, &mut oa, window).unwrap();
+        two.attend_causal(&q, n_q, &mut ob, window).unwrap();
+        let d = max_abs_diff(&oa, &ob);
+        assert!(d < 1e-5, "window {window:?}: threads 1 vs 2 differ by {d}");
+        for j in [0, 1, 63, 64, 700, 1023, 1024, 1025, 1200, n - 1] {
+            let pos = len - n + j;
+            let lo = window.map_or(0, |wn| (pos + 1).saturating_sub(wn));
+            let want = dense_attention(
+                &q[j * n_q * hd..(j + 1) * n_q * hd],
+                n_q,
+                &kd[lo * w..(pos + 1) * w],
+                &vd[lo * w..(pos + 1) * w],
+                n_kv,
+                hd,
+                1.0 / (hd as f32).sqrt(),
+            );
+            let d = max_abs_diff(&ob[j * n_q * hd..(j + 1) * n_q * hd], &want);
+            assert!(d < 1e-5, "window {window:?} position {j}: {d}");
+        }
+    }
+    // Half-precision queries: widened per block, the same output as the
+    // same values given as f32.
+    let qh: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
+    let qw: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
+    let (mut oh, mut ow) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+    two.attend_causal(&qh, n_q, &mut oh, None).unwrap();
+    two.attend_causal(&qw, n_q, &mut ow, None).unwrap();
+    assert_eq!(oh, ow);
+    // A NaN in the last query: refused before any output is written.
+    let mut bad = q.clone();
+    bad[(n - 1) * n_q * hd + 5 * hd + 3] = f32::NAN;
+    let mut out = vec![7.0; q.len()];
+    let e = two.attend_causal(&bad, n_q, &mut out, None).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::NonFinite {
+                token,
+                head: 5,
+                channel: 3,
+                ..
+            } if token == n - 1
+        ),
+        "{e}"
+    );
+    assert!(out.iter().all(|&x| x == 7.0));
+}
+
+#[test]
 fn attend_rejects_bad_input() {
     let mut c = LayerCache::new(CacheConfig::new(2, 16)).unwrap();
     let mut out = vec![0.0; 64];

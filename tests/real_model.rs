@@ -179,9 +179,14 @@ fn real_model_tokenizer_and_first_window_perplexity() {
 
         // The same cache with keys stored before RoPE: the cache rotates
         // them, and per-channel blocks see unrotated channels. Its
-        // next-token KL is pinned at its measured value (±5 %): 32 % below
-        // KIVI-4's on prose, level with it on code's first window (over 8
-        // windows 12–17 % below: docs/RESULTS.md, keys before RoPE).
+        // next-token KL is pinned at its measured value (±15 %): 27–35 %
+        // below KIVI-4's on prose, level with it on code's first window
+        // (over 8 windows 12–17 % below: docs/RESULTS.md, keys before
+        // RoPE). It moves more than KIVI-4's with the kernels' rounding:
+        // summing per-token values of a prefill block from dequantized
+        // rows instead of through scale-folded weights (the same outputs
+        // to 2e-6 relative) re-rounds some later layers' keys and moved
+        // prose's from 0.01145 to 0.01279.
         let pre = CacheSpec {
             pre_rope: true,
             ..spec
@@ -191,12 +196,20 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             "{name}: KIVI-4 with pre-RoPE keys, first window next-token KL {:.5}",
             pkl.mean
         );
-        let want_pre = if name == "austen" { 0.01192 } else { 0.01889 };
+        let want_pre = if name == "austen" { 0.0121 } else { 0.01889 };
         assert!(
-            (pkl.mean / want_pre - 1.0).abs() < 0.05,
+            (pkl.mean / want_pre - 1.0).abs() < 0.15,
             "{name}: pre-RoPE KIVI-4 next-token KL {} vs {want_pre}",
             pkl.mean
         );
+        if name == "austen" {
+            assert!(
+                pkl.mean < 0.8 * kl.mean,
+                "{name}: pre-RoPE KL {} is not a fifth below KIVI-4's {}",
+                pkl.mean,
+                kl.mean
+            );
+        }
 
         // Attention KL of the first window's real Q/K/V, per scheme.
         if let Some(pins) = want.4 {

@@ -21,6 +21,46 @@ impl Partial {
     }
 }
 
+impl Partial {
+    /// `rows` rows of `hd` (contents unspecified: `partial` writes them all).
+    pub(super) fn resize(&mut self, rows: usize, hd: usize) {
+        self.max.resize(rows, f32::NEG_INFINITY);
+        self.sum.resize(rows, 0.0);
+        self.out.resize(rows * hd, 0.0);
+    }
+
+    /// Fold in the state of a further, disjoint range of positions (the
+    /// online softmax): both rescaled to the larger running max.
+    pub(super) fn absorb(&mut self, other: &Partial, hd: usize) {
+        for i in 0..self.max.len() {
+            let (m1, m2) = (self.max[i], other.max[i]);
+            if m2 == f32::NEG_INFINITY {
+                continue;
+            }
+            let o = &mut self.out[i * hd..(i + 1) * hd];
+            let src = &other.out[i * hd..(i + 1) * hd];
+            if m1 == f32::NEG_INFINITY {
+                self.max[i] = m2;
+                self.sum[i] = other.sum[i];
+                o.copy_from_slice(src);
+                continue;
+            }
+            let m = m1.max(m2);
+            let (w1, w2) = ((m1 - m).exp(), (m2 - m).exp());
+            self.max[i] = m;
+            self.sum[i] = self.sum[i] * w1 + other.sum[i] * w2;
+            if w1 != 1.0 {
+                o.iter_mut().for_each(|x| *x *= w1);
+            }
+            axpy(w2, src, o);
+        }
+    }
+}
+
+/// Scores (rows × key positions) a prefill block computes per key chunk:
+/// 256 KiB, well inside a core's L2 beside the tiles and the outputs.
+pub(super) const SCORE_CHUNK_FLOATS: usize = 64 * 1024;
+
 /// Combine partials over disjoint position ranges into normalized outputs.
 pub(super) fn merge(parts: &[Partial], rows: usize, hd: usize, dst: &mut [f32]) {
     for i in 0..rows {
@@ -41,6 +81,25 @@ pub(super) fn merge(parts: &[Partial], rows: usize, hd: usize, dst: &mut [f32]) 
         }
         let inv = 1.0 / total;
         o.iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
+/// What one thread reuses from head to head in `head_attention`: the
+/// score scratch and the running and per-chunk softmax states.
+#[derive(Debug)]
+pub(super) struct HeadScratch {
+    pub(super) attn: AttnScratch,
+    pub(super) acc: Partial,
+    pub(super) part: Partial,
+}
+
+impl Default for HeadScratch {
+    fn default() -> Self {
+        HeadScratch {
+            attn: AttnScratch::default(),
+            acc: Partial::new(0, 0),
+            part: Partial::new(0, 0),
+        }
     }
 }
 

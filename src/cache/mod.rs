@@ -223,11 +223,12 @@ pub fn attend_batch<T: Element>(
     let units = n_seq * n_kv;
     let per = units.div_ceil(threads.min(units).max(1));
     fan_out(tmp.chunks_mut(per * unit), |ci, block| {
+        let mut ws = HeadScratch::default();
         for (k, dst) in block.chunks_mut(unit).enumerate() {
             let u = ci * per + k;
             let (i, h) = (u / n_kv, u % n_kv);
             let qh = &qs[i][h * unit..(h + 1) * unit];
-            caches[i].head_attention(h, qh, 1, r, None, dst);
+            caches[i].head_attention(h, qh, 1, 0..1, r, None, dst, &mut ws);
         }
     });
     for (i, c) in caches.iter().enumerate() {
@@ -967,10 +968,19 @@ impl LayerCache {
                 what: "window must be at least 1".into(),
             });
         }
-        let qf = self.prepared_queries(op, q, n_q_heads)?;
-
         let n_kv = self.cfg.n_kv_heads;
         let per_head = n * r * hd;
+        let threads = if self.len * n * n_kv >= PARALLEL_MIN_WORK {
+            self.threads
+        } else {
+            1
+        };
+        if threads > 1 && n >= 2 * (QUERY_BLOCK / r).max(1) {
+            // Prefill: threads take ranges of positions (all heads each),
+            // so each writes its own rows of `out` with no shared copy.
+            return self.attend_positions(q, n_q_heads, r, n, threads, window, out);
+        }
+        let qf = self.prepared_queries(op, q, n_q_heads)?;
         // Queries of KV head h, gathered position-major: [n, r, hd].
         let gather = |h: usize| {
             let mut qh = vec![0f32; per_head];
@@ -981,11 +991,6 @@ impl LayerCache {
             qh
         };
         let mut tmp = vec![0f32; n_kv * per_head];
-        let threads = if self.len * n * n_kv >= PARALLEL_MIN_WORK {
-            self.threads
-        } else {
-            1
-        };
         if threads > 1 && n == 1 && !n_kv.is_multiple_of(threads) {
             // Decode with fewer (or unevenly many) KV heads than threads:
             // split each head's tokens into chunks (flash-decoding), then
@@ -995,13 +1000,16 @@ impl LayerCache {
             let t = threads.min(n_kv);
             let chunk = n_kv.div_ceil(t);
             fan_out(tmp.chunks_mut(chunk * per_head), |ci, block| {
+                let mut ws = HeadScratch::default();
                 for (k, dst) in block.chunks_mut(per_head).enumerate() {
-                    self.head_attention(ci * chunk + k, &gather(ci * chunk + k), n, r, window, dst);
+                    let h = ci * chunk + k;
+                    self.head_attention(h, &gather(h), n, 0..n, r, window, dst, &mut ws);
                 }
             });
         } else {
+            let mut ws = HeadScratch::default();
             for (h, dst) in tmp.chunks_mut(per_head).enumerate() {
-                self.head_attention(h, &gather(h), n, r, window, dst);
+                self.head_attention(h, &gather(h), n, 0..n, r, window, dst, &mut ws);
             }
         }
         if let Some(c) = self.v.codec.as_ref().filter(|c| c.transforms()) {
@@ -1014,6 +1022,84 @@ impl LayerCache {
                 out[j * qw + h * r * hd..j * qw + (h + 1) * r * hd].copy_from_slice(src);
             }
         }
+        Ok(())
+    }
+
+    /// `attend_causal` for `n` positions split into `threads` ranges of
+    /// about equal work (a position's work is its visible length); each
+    /// thread prepares its queries and writes its rows of `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_positions<T: Element>(
+        &self,
+        q: &[T],
+        n_q_heads: usize,
+        r: usize,
+        n: usize,
+        threads: usize,
+        window: Option<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let op = "attend";
+        let (hd, n_kv, len) = (self.cfg.head_dim, self.cfg.n_kv_heads, self.len);
+        let qw = n_q_heads * hd;
+        // Checked up front, a bounded slice at a time: a rejected call
+        // writes nothing.
+        let mut buf = Vec::new();
+        let rows = (16 * 1024 / qw).max(1);
+        for (c, chunk) in q.chunks(rows * qw).enumerate() {
+            check_finite(op, as_f32(chunk, &mut buf), n_q_heads, hd, c * rows)?;
+        }
+        let visible = |j: usize| {
+            let pos = len - n + j;
+            window.map_or(pos + 1, |w| (pos + 1).min(w))
+        };
+        let total: usize = (0..n).map(visible).sum();
+        let sub = (QUERY_BLOCK / r).max(1);
+        let mut edges = vec![0];
+        let mut acc = 0;
+        for j in 0..n {
+            acc += visible(j);
+            let e = (j + 1).div_ceil(sub) * sub;
+            if acc * threads >= total * edges.len() && e < n && e > *edges.last().unwrap() {
+                edges.push(e);
+            }
+        }
+        edges.push(n);
+        let mut parts = Vec::new();
+        let mut rest = out;
+        for w in edges.windows(2) {
+            let (mine, tail) = rest.split_at_mut((w[1] - w[0]) * qw);
+            parts.push((w[0]..w[1], mine));
+            rest = tail;
+        }
+        let scale = self.scale();
+        let kt = self.k.codec.as_ref().filter(|c| c.transforms());
+        let vt = self.v.codec.as_ref().filter(|c| c.transforms());
+        fan_out(parts, |_, (js, dst)| {
+            let mut ws = HeadScratch::default();
+            let (mut qh, mut oh) = (Vec::new(), Vec::new());
+            let m = js.len();
+            for h in 0..n_kv {
+                let qh = uninit_len(&mut qh, m * r * hd);
+                for (k, j) in js.clone().enumerate() {
+                    let src = &q[j * qw + h * r * hd..j * qw + (h + 1) * r * hd];
+                    T::widen(src, &mut qh[k * r * hd..(k + 1) * r * hd]);
+                }
+                qh.iter_mut().for_each(|x| *x *= scale);
+                if let Some(c) = kt {
+                    c.transform_in(qh);
+                }
+                let oh = uninit_len(&mut oh, m * r * hd);
+                self.head_attention(h, qh, n, js.clone(), r, window, oh, &mut ws);
+                if let Some(c) = vt {
+                    c.transform_out(oh);
+                }
+                for k in 0..m {
+                    dst[k * qw + h * r * hd..k * qw + (h + 1) * r * hd]
+                        .copy_from_slice(&oh[k * r * hd..(k + 1) * r * hd]);
+                }
+            }
+        });
         Ok(())
     }
 
@@ -1099,25 +1185,34 @@ impl LayerCache {
         }
     }
 
-    /// Attention of KV head `h` for `n` positions × `r` query heads (`qh` is
-    /// `[n, r, hd]`, pre-scaled); writes `[n, r, hd]` into `dst`.
+    /// Attention of KV head `h` for positions `js` of the last `n` × `r`
+    /// query heads (`qh` is `[js.len(), r, hd]`, pre-scaled); writes
+    /// `[js.len(), r, hd]` into `dst`.
+    #[allow(clippy::too_many_arguments)]
     fn head_attention(
         &self,
         h: usize,
         qh: &[f32],
         n: usize,
+        js: std::ops::Range<usize>,
         r: usize,
         window: Option<usize>,
         dst: &mut [f32],
+        ws: &mut HeadScratch,
     ) {
         let hd = self.cfg.head_dim;
         let len = self.len;
         // Query positions in sub-blocks so the score matrix stays small.
         let sub = (QUERY_BLOCK / r).max(1);
-        let mut scratch = AttnScratch::default();
-        let mut j0 = 0;
-        while j0 < n {
-            let j1 = (j0 + sub).min(n);
+        let HeadScratch {
+            attn: scratch,
+            acc,
+            part,
+        } = ws;
+        let first = js.start;
+        let mut j0 = js.start;
+        while j0 < js.end {
+            let j1 = (j0 + sub).min(js.end);
             let rows = (j1 - j0) * r;
             // Visible range of each row: causal, and windowed.
             let vis: Vec<(usize, usize)> = (j0..j1)
@@ -1139,14 +1234,39 @@ impl LayerCache {
                 a
             };
             let b = len - n + j1;
-            let mut part = Partial::new(rows, hd);
-            let q = &qh[j0 * r * hd..j1 * r * hd];
-            self.partial(h, q, rows, a, b, &vis, &mut part, &mut scratch);
+            let q = &qh[(j0 - first) * r * hd..(j1 - first) * r * hd];
+            // Several positions (prefill): keys in chunks whose score
+            // matrix stays in L2, folded into a running softmax state.
+            // One position (decode) takes its whole range at once.
+            let span = if n > 1 {
+                (SCORE_CHUNK_FLOATS / rows).max(align)
+            } else {
+                usize::MAX
+            };
+            let mut c0 = a;
+            while c0 < b {
+                let e = c0.saturating_add(span);
+                let c1 = if e >= b {
+                    b
+                } else if e > sinks {
+                    (sinks + (e - sinks) / align * align).max(c0 + 1).min(b)
+                } else {
+                    e
+                };
+                part.resize(rows, hd);
+                self.partial(h, q, rows, c0, c1, &vis, part, scratch);
+                if c0 == a {
+                    std::mem::swap(acc, part);
+                } else {
+                    acc.absorb(part, hd);
+                }
+                c0 = c1;
+            }
             merge(
-                std::slice::from_ref(&part),
+                std::slice::from_ref(acc),
                 rows,
                 hd,
-                &mut dst[j0 * r * hd..j1 * r * hd],
+                &mut dst[(j0 - first) * r * hd..(j1 - first) * r * hd],
             );
             j0 = j1;
         }

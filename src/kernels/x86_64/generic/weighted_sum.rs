@@ -87,6 +87,11 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
             let mut wbuf = Buf::new(S::T * wst);
             let mut zacc = Buf::new(nq * wst);
             let vpg = cpg / S::L;
+            // Many queries (prefill, wide GQA): the tile is dequantized
+            // once and each query's sum is a plain weighted sum of rows.
+            // With few, folding the scales into each query's weights
+            // costs less than dequantizing every code.
+            let deq_tile = tp.rows.is_some() || nq >= DEQ_TILE_QUERIES;
             let mut t0 = 0;
             while t0 < t_all {
                 let n = S::T.min(t_all - t0);
@@ -101,14 +106,17 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                         u8buf.as_mut_ptr(),
                     );
                     match rows {
-                        None => unpack_tile::<S, B, Raw>(s, g, r, n, sp, u8b, Raw),
                         Some(d) => unpack_tile::<S, B, Rows>(s, g, r, n, sp, u8b, d),
+                        None if deq_tile => {
+                            unpack_tile::<S, B, PerToken>(s, g, r, n, sp, u8b, tp.deq())
+                        }
+                        None => unpack_tile::<S, B, Raw>(s, g, r, n, sp, u8b, Raw),
                     }
                 }
                 for i in 0..nq {
                     let pt = tile_p(i, t0, n);
                     let a = acc.m()[i * hdp..].as_mut_ptr();
-                    if rows.is_some() {
+                    if deq_tile {
                         // SAFETY: `pt` holds T weights; `acc` `hdp` floats per query.
                         unsafe {
                             sum_vectors(
@@ -163,7 +171,7 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                 }
                 t0 += n;
             }
-            if tp.rows.is_none() {
+            if !deq_tile {
                 for i in 0..nq {
                     let a = &mut acc.m()[i * hdp..i * hdp + hd];
                     for (k, a) in a.chunks_mut(cpg).enumerate() {
@@ -197,6 +205,10 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
         }
     }
 }
+
+/// Queries from which the generic per-token weighted sum dequantizes each
+/// tile once rather than folding scales into every query's weights.
+const DEQ_TILE_QUERIES: usize = 2;
 
 /// Tokens `t0..t0 + n` of query `i`'s weights (`p` is `[nq, t_all]`), zero
 /// past the last token: one tile's weights for `splat_tile`.
