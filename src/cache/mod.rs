@@ -939,6 +939,12 @@ impl LayerCache {
     /// its own (causal), and with `window = Some(w)` only the last `w` of
     /// them (sliding-window layers). Append the block's K/V first.
     ///
+    /// Positions are taken in blocks of 64 query rows; each block's keys in
+    /// chunks whose scores fit in L2, folded into a running softmax. With
+    /// two or more blocks per KV head the threads take ranges of positions
+    /// of about equal work, every KV head each, and write their own rows
+    /// of `out` (so MQA's one KV head uses every thread too).
+    ///
     /// # Errors
     /// As [`attend`](Self::attend); also [`Error::InvalidShape`] when `n`
     /// exceeds the cached length or `window` is `Some(0)`.
