@@ -8,15 +8,21 @@
 //! cargo bench --bench prefill                                # 512 and 4096 tokens
 //! KVQ_PREFILL_CTX=16384 KVQ_PREFILL_ROUNDS=3 cargo bench --bench prefill
 //! KVQ_PREFILL_NQ=4 cargo bench --bench prefill               # four query heads per KV head
+//! cargo bench --bench prefill -- 4b-kivi32 iq4nl             # only cases whose name contains these
 //! ```
 //!
-//! 8 KV heads of 128, two threads across heads. The dense baselines are
+//! 8 KV heads of 128, two threads. Cases: `dense-f16` (always run: the
+//! baseline), `dense-f32`, and caches through `attend_causal`: `cache
+//! fp32` (nothing packed), `4b-kivi32`, `8b-kivi32`, `4b-H-pt32`
+//! (Hadamard-rotated 4-bit per-token K/V), `4b-kivi32-prerope` (keys
+//! stored before RoPE), `4b-iq4nl` (llama.cpp's grid for K and V) and
+//! `4b-kivi32-o1` (1 % outliers in K and V). The dense baselines are
 //! flash-style: query blocks of 64 positions, keys in chunks of 1024
 //! (f32 ones copied to a line-aligned buffer), scored with the SIMD dense
-//! kernels (`kernels::dense`, the ones the decode
-//! baseline uses), masked, and folded into a running softmax per row
-//! before the chunk's values are summed through the same kernels.
-//! Nothing is asserted; the numbers are in `docs/`.
+//! kernels (`kernels::dense`, the ones the decode baseline uses), masked,
+//! and folded into a running softmax per row before the chunk's values
+//! are summed through the same kernels. Nothing is asserted; the numbers
+//! are in `docs/`.
 
 mod common;
 
@@ -223,6 +229,28 @@ fn main() {
             ("cache 4b-kivi32", cache(base.keys(pc4).values(pt4))),
             ("cache 8b-kivi32", cache(base.keys(pc8).values(pt8))),
             ("cache 4b-H-pt32", cache(base.key_codec(h4).value_codec(h4))),
+            (
+                "cache 4b-kivi32-prerope",
+                cache(base.keys(pc4).values(pt4).pre_rope(kvq::Rope::new(
+                    500_000.0,
+                    HD,
+                    kvq::RopeStyle::Halves,
+                ))),
+            ),
+            (
+                "cache 4b-iq4nl",
+                cache(
+                    base.key_codec(kvq::presets::iq4_nl())
+                        .value_codec(kvq::presets::iq4_nl()),
+                ),
+            ),
+            (
+                "cache 4b-kivi32-o1",
+                cache(
+                    base.key_codec(Codec::from(pc4).with_outliers(0.01).unwrap())
+                        .value_codec(Codec::from(pt4).with_outliers(0.01).unwrap()),
+                ),
+            ),
         ];
         cases.retain(|(n, _)| {
             *n == "dense-f16"

@@ -320,11 +320,13 @@ impl RopeTable {
             &self.lo.0[..],
             &self.lo.1[..],
         );
+        // Each entry as (token, channels a and b, their weights), then
+        // row by row: entry by entry, many rows' scores would lie a row
+        // of tokens apart, in the same L1 sets.
+        let mut ents: Vec<(u32, u32, u32, f32, f32)> = Vec::new();
         crate::quant::outliers::for_each(view, |t, c, r| {
             if c >= dims {
-                for i in 0..rows {
-                    out[i * stride + t] += q[i * hd + c] * r;
-                }
+                ents.push((t as u32, c as u32, c as u32, r, 0.0));
                 return;
             }
             let (pair, first) = if adjacent {
@@ -347,11 +349,15 @@ impl RopeTable {
             // The pair's first channel turns to (cos, sin), its second to
             // (−sin, cos).
             let (wa, wb) = if first { (cos, sin) } else { (-sin, cos) };
-            let (wa, wb) = (wa * r, wb * r);
-            for i in 0..rows {
-                out[i * stride + t] += q[i * hd + a] * wa + q[i * hd + b] * wb;
-            }
+            ents.push((t as u32, a as u32, b as u32, wa * r, wb * r));
         });
+        for i in 0..rows {
+            let qi = &q[i * hd..(i + 1) * hd];
+            let oi = &mut out[i * stride..];
+            for &(t, a, b, wa, wb) in &ents {
+                oi[t as usize] += qi[a as usize] * wa + qi[b as usize] * wb;
+            }
+        }
     }
 
     /// Rotate `n` rows of one head (`hd` channels each, `rows` holding

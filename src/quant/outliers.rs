@@ -535,12 +535,29 @@ pub(crate) fn add_scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
     match q.len() / hd {
         1 => for_each(head, |t, c, r| out[t] += q[c] * r),
-        nq => for_each(head, |t, c, r| {
+        nq => {
+            // Query by query over the decoded entries: entry by entry, the
+            // queries' scores lie a row of tokens apart, which for prefill
+            // blocks (64 rows of 1024) all fall in the same L1 sets.
+            let ents = entries(head);
             for i in 0..nq {
-                out[i * t_all + t] += q[i * hd + c] * r;
+                let (qi, oi) = (
+                    &q[i * hd..(i + 1) * hd],
+                    &mut out[i * t_all..(i + 1) * t_all],
+                );
+                for &(t, c, r) in &ents {
+                    oi[t as usize] += qi[c as usize] * r;
+                }
             }
-        }),
+        }
     }
+}
+
+/// Every entry of `head` in the view as `(token, channel, correction)`.
+fn entries(head: &PackedHead<'_>) -> Vec<(u32, u32, f32)> {
+    let mut v = Vec::new();
+    for_each(head, |t, c, r| v.push((t as u32, c as u32, r)));
+    v
 }
 
 /// `out[i·hd + c] += p[i·T + t]·correction` for each entry.
@@ -548,11 +565,19 @@ pub(crate) fn add_weighted(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
     match out.len() / hd {
         1 => for_each(head, |t, c, r| out[c] += p[t] * r),
-        nq => for_each(head, |t, c, r| {
+        nq => {
+            // Query by query, as in `add_scores`.
+            let ents = entries(head);
             for i in 0..nq {
-                out[i * hd + c] += p[i * t_all + t] * r;
+                let (pi, oi) = (
+                    &p[i * t_all..(i + 1) * t_all],
+                    &mut out[i * hd..(i + 1) * hd],
+                );
+                for &(t, c, r) in &ents {
+                    oi[c as usize] += pi[t as usize] * r;
+                }
             }
-        }),
+        }
     }
 }
 
