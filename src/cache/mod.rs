@@ -274,12 +274,23 @@ fn prefetch_next(backend: Backend, secs: &[Section<'_>], i: usize) {
 }
 
 /// Head `h`'s `n` rows of full-precision `data` (`[n, width]`), contiguous.
-fn head_rows(data: &[f32], width: usize, h: usize, hd: usize, n: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(n * hd);
-    for t in 0..n {
-        out.extend_from_slice(&data[t * width + h * hd..][..hd]);
+fn head_rows(data: &[f32], width: usize, h: usize, hd: usize, out: &mut [f32]) {
+    for (t, row) in out.chunks_exact_mut(hd).enumerate() {
+        row.copy_from_slice(&data[t * width + h * hd..][..hd]);
     }
-    out
+}
+
+/// Two scratch slices of `n1` and `n2` floats from `v`, the first starting
+/// on a 64-byte line: the dense kernels' 512-bit loads of gathered rows
+/// then never split a line (unaligned rows measured 0.6x the speed).
+fn aligned_pair(v: &mut Vec<f32>, n1: usize, n2: usize) -> (&mut [f32], &mut [f32]) {
+    let need = n1 + n2 + 16;
+    if v.len() < need {
+        v.resize(need, 0.0);
+    }
+    let off = (64 - v.as_ptr() as usize % 64) % 64 / 4;
+    let (a, b) = v[off..].split_at_mut(n1);
+    (a, &mut b[..n2])
 }
 
 /// A checked [`LayerCache::truncate`]: the new length and, for each of K
@@ -1335,9 +1346,9 @@ impl LayerCache {
                 SectionData::Dense(data) if rows >= DENSE_BLOCK_ROWS => {
                     // Many queries (prefill): the head's rows gathered once,
                     // then the blocked dense kernel over all of them.
-                    let keys = head_rows(data, self.k.width, h, hd, sec.len);
-                    let tmp = uninit_len(tmp, rows * sec.len);
-                    kernels::dense::scores_f32_on(self.backend, hd, &keys, q, tmp)
+                    let (keys, tmp) = aligned_pair(tmp, sec.len * hd, rows * sec.len);
+                    head_rows(data, self.k.width, h, hd, keys);
+                    kernels::dense::scores_f32_on(self.backend, hd, keys, q, tmp)
                         .expect("lengths are consistent");
                     for i in 0..rows {
                         out[i * width + off..i * width + off + sec.len]
@@ -1468,13 +1479,13 @@ impl LayerCache {
             let off = sec.start - a;
             match sec.data {
                 SectionData::Dense(data) if rows >= DENSE_BLOCK_ROWS => {
-                    let values = head_rows(data, self.v.width, h, hd, sec.len);
-                    let tmp = uninit_len(tmp, rows * sec.len);
+                    let (values, tmp) = aligned_pair(tmp, sec.len * hd, rows * sec.len);
+                    head_rows(data, self.v.width, h, hd, values);
                     for i in 0..rows {
                         tmp[i * sec.len..(i + 1) * sec.len]
                             .copy_from_slice(&p[i * width + off..i * width + off + sec.len]);
                     }
-                    kernels::dense::weighted_sum_f32_on(self.backend, hd, &values, tmp, dst)
+                    kernels::dense::weighted_sum_f32_on(self.backend, hd, values, tmp, dst)
                         .expect("lengths are consistent");
                 }
                 SectionData::Dense(data) => {
