@@ -479,6 +479,39 @@ fn half_inputs_match_f32() {
     assert!(a == b);
 }
 
+/// The last `n` positions of a cache holding `k`/`v` (dequantized), as
+/// `attend_causal` sees them.
+struct Causal<'a> {
+    q: &'a [f32],
+    n_q: usize,
+    k: &'a [f32],
+    v: &'a [f32],
+    n_kv: usize,
+    hd: usize,
+    n: usize,
+    window: Option<usize>,
+}
+
+impl Causal<'_> {
+    /// Position `j`'s row of `out` against dense attention over what it sees.
+    fn check(&self, out: &[f32], j: usize) {
+        let (n_q, hd, w) = (self.n_q, self.hd, self.n_kv * self.hd);
+        let pos = self.k.len() / w - self.n + j;
+        let lo = self.window.map_or(0, |wn| (pos + 1).saturating_sub(wn));
+        let want = dense_attention(
+            &self.q[j * n_q * hd..(j + 1) * n_q * hd],
+            n_q,
+            &self.k[lo * w..(pos + 1) * w],
+            &self.v[lo * w..(pos + 1) * w],
+            self.n_kv,
+            hd,
+            1.0 / (hd as f32).sqrt(),
+        );
+        let d = max_abs_diff(&out[j * n_q * hd..(j + 1) * n_q * hd], &want);
+        assert!(d < 1e-5, "window {:?} position {j}: {d}", self.window);
+    }
+}
+
 #[test]
 fn causal_block_attention_and_window() {
     let (n_kv, hd, n_q) = (2, 32, 4);
@@ -499,20 +532,18 @@ fn causal_block_attention_and_window() {
     for window in [None, Some(1), Some(17), Some(1000)] {
         let mut out = vec![0.0; q.len()];
         c.attend_causal(&q, n_q, &mut out, window).unwrap();
+        let cause = Causal {
+            q: &q,
+            n_q,
+            k: &kd,
+            v: &vd,
+            n_kv,
+            hd,
+            n,
+            window,
+        };
         for j in 0..n {
-            let pos = c.len() - n + j;
-            let lo = window.map_or(0, |wn| (pos + 1).saturating_sub(wn));
-            let want = dense_attention(
-                &q[j * n_q * hd..(j + 1) * n_q * hd],
-                n_q,
-                &kd[lo * w..(pos + 1) * w],
-                &vd[lo * w..(pos + 1) * w],
-                n_kv,
-                hd,
-                1.0 / (hd as f32).sqrt(),
-            );
-            let d = max_abs_diff(&out[j * n_q * hd..(j + 1) * n_q * hd], &want);
-            assert!(d < 1e-5, "window {window:?} j {j}: {d}");
+            cause.check(&out, j);
         }
     }
     // The last position of a causal block is plain decode attention.
@@ -556,20 +587,18 @@ fn long_prefill_in_key_chunks_and_position_ranges() {
         two.attend_causal(&q, n_q, &mut ob, window).unwrap();
         let d = max_abs_diff(&oa, &ob);
         assert!(d < 1e-5, "window {window:?}: threads 1 vs 2 differ by {d}");
+        let cause = Causal {
+            q: &q,
+            n_q,
+            k: &kd,
+            v: &vd,
+            n_kv,
+            hd,
+            n,
+            window,
+        };
         for j in [0, 1, 63, 64, 700, 1023, 1024, 1025, 1200, n - 1] {
-            let pos = len - n + j;
-            let lo = window.map_or(0, |wn| (pos + 1).saturating_sub(wn));
-            let want = dense_attention(
-                &q[j * n_q * hd..(j + 1) * n_q * hd],
-                n_q,
-                &kd[lo * w..(pos + 1) * w],
-                &vd[lo * w..(pos + 1) * w],
-                n_kv,
-                hd,
-                1.0 / (hd as f32).sqrt(),
-            );
-            let d = max_abs_diff(&ob[j * n_q * hd..(j + 1) * n_q * hd], &want);
-            assert!(d < 1e-5, "window {window:?} position {j}: {d}");
+            cause.check(&ob, j);
         }
     }
     // Half-precision queries: widened per block, the same output as the
