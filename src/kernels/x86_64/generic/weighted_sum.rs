@@ -4,10 +4,12 @@ use super::*;
 
 /// Packed weighted sum: `out_i += Σ_t p[i·tokens + t] · v̂_t`.
 ///
-/// Per-token values with groups of whole vectors keep raw codes in the
-/// tile and fold the scales into the weights, group by group
-/// (`w_tg = p_t·scale_tg`), adding `Σ_t p_t·zero_tg` per group at the end.
-/// Other groupings and per-channel values are dequantized into the tile.
+/// Per-token values with groups of whole vectors and one query keep raw
+/// codes in the tile and fold the scales into the weights, group by group
+/// (`w_tg = p_t·scale_tg`), adding `Σ_t p_t·zero_tg` per group at the end
+/// (the fused kernel for the compiled shapes with one or four queries).
+/// With two or more queries, other groupings and per-channel values the
+/// tile is dequantized once and every query sums its rows.
 ///
 /// # Safety
 /// [`super::check_head`]`(head, out.len(), p.len())` passed; `HD` is 0 or
