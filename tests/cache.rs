@@ -630,6 +630,47 @@ fn long_prefill_in_key_chunks_and_position_ranges() {
 }
 
 #[test]
+fn prefill_over_threads_equals_one_thread_for_every_codec() {
+    // Rotated, codebook, outlier and pre-RoPE caches through the prefill
+    // split: the threads take the same blocks and chunks one thread does.
+    let (n_kv, hd, n_q, len, n) = (2, 64, 6, 1500, 700);
+    let (k4, v4) = kivi(4);
+    let pt4 = scheme(4, Axis::PerToken, Group::Size(32));
+    let rope = kvq::Rope::new(10_000.0, hd, kvq::RopeStyle::Halves);
+    let base = CacheConfig::new(n_kv, hd).sinks(4).residual(40);
+    let cfgs = [
+        base.keys(k4).values(v4),
+        base.key_codec(kvq::Codec::hadamard(pt4))
+            .value_codec(kvq::Codec::hadamard(pt4)),
+        base.key_codec(kvq::presets::iq4_nl())
+            .value_codec(kvq::presets::iq4_nl()),
+        base.key_codec(kvq::Codec::from(k4).with_outliers(0.01).unwrap())
+            .value_codec(kvq::Codec::from(v4).with_outliers(0.01).unwrap()),
+        base.keys(k4).values(v4).pre_rope(rope),
+        base.key_codec(kvq::Codec::from(k4).with_outliers(0.01).unwrap())
+            .values(v4)
+            .pre_rope(rope),
+    ];
+    let mut rng = Rng::new(91);
+    let w = n_kv * hd;
+    let (ks, vs) = (rng.vec(len * w), rng.vec(len * w));
+    let q: Vec<f32> = rng.vec(n * n_q * hd).iter().map(|x| 2.0 * x).collect();
+    for (i, cfg) in cfgs.into_iter().enumerate() {
+        let mut one = LayerCache::new(cfg.threads(1)).unwrap();
+        one.extend(&ks, &vs).unwrap();
+        let mut two = LayerCache::new(cfg.threads(2)).unwrap();
+        two.extend(&ks, &vs).unwrap();
+        for window in [None, Some(300)] {
+            let (mut oa, mut ob) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+            one.attend_causal(&q, n_q, &mut oa, window).unwrap();
+            two.attend_causal(&q, n_q, &mut ob, window).unwrap();
+            assert_eq!(oa, ob, "configuration {i}, window {window:?}");
+            assert!(ob.iter().all(|x| x.is_finite()));
+        }
+    }
+}
+
+#[test]
 fn attend_rejects_bad_input() {
     let mut c = LayerCache::new(CacheConfig::new(2, 16)).unwrap();
     let mut out = vec![0.0; 64];
