@@ -12,6 +12,9 @@
 //!   are spread evenly over `[mean/8, 15·mean/8]` in a shuffled order.
 //! - `KVQ_BATCH_NQ`: query heads per KV head (default `1,4`).
 //! - `KVQ_BATCH_ROUNDS`: rounds (default 30).
+//! - `KVQ_BATCH_ORDER=sorted`: the sequences in ascending length, not
+//!   scrambled (an even split by count would give one thread most of the
+//!   tokens; both the cache and the baseline split by tokens).
 //!
 //! Cases, each at one and at two threads: `dense-f16`, the same units over
 //! f16 rows with the dense kernels (the baseline); `kivi4` through
@@ -39,19 +42,33 @@ struct Dense {
 }
 
 /// One decode step of every sequence over f16 rows (`q` already carries
-/// the softmax scale): unit `u` is
-/// sequence `u / N_KV`, head `u % N_KV`, units split evenly over
-/// `threads` scoped threads (what `attend_batch` does).
+/// the softmax scale): unit `u` is sequence `u / N_KV`, head `u % N_KV`,
+/// units split over `threads` scoped threads in contiguous ranges of
+/// about equal tokens (what `attend_batch` does).
 fn dense_batch(be: Backend, seqs: &[Dense], q: &[f32], nq: usize, out: &mut [f32], threads: usize) {
     let units = seqs.len() * N_KV;
     let unit = nq * HD;
-    let per = units.div_ceil(threads);
+    let cost = |u: usize| seqs[u / N_KV].k[0].len() / HD + 64;
+    let total: usize = (0..units).map(cost).sum();
+    let mut edges = vec![0];
+    let mut acc = 0;
+    for u in 0..units {
+        acc += cost(u);
+        if edges.len() < threads && u + 1 < units && acc * threads >= total * edges.len() {
+            edges.push(u + 1);
+        }
+    }
+    edges.push(units);
+    let mut rest = &mut out[..];
     std::thread::scope(|s| {
-        for (ci, block) in out.chunks_mut(per * unit).enumerate() {
+        for w in edges.windows(2) {
+            let (block, tail) = rest.split_at_mut((w[1] - w[0]) * unit);
+            rest = tail;
+            let u0 = w[0];
             s.spawn(move || {
                 let mut sc = Vec::new();
                 for (k, dst) in block.chunks_mut(unit).enumerate() {
-                    let u = ci * per + k;
+                    let u = u0 + k;
                     let (i, h) = (u / N_KV, u % N_KV);
                     let d = &seqs[i];
                     let ctx = d.k[h].len() / HD;
@@ -82,13 +99,17 @@ fn main() {
         .backend(be)
         .threads(1);
     for &n in &counts {
-        // Lengths evenly over [mean/8, 15·mean/8], in a scrambled order.
-        let lens: Vec<usize> = (0..n)
+        // Lengths evenly over [mean/8, 15·mean/8], in a scrambled order
+        // (or ascending with `KVQ_BATCH_ORDER=sorted`).
+        let mut lens: Vec<usize> = (0..n)
             .map(|i| {
                 let j = (i * 7 + 3) % n;
                 mean / 8 + (14 * mean / 8) * j / n.max(2).saturating_sub(1).max(1)
             })
             .collect();
+        if std::env::var("KVQ_BATCH_ORDER").is_ok_and(|v| v == "sorted") {
+            lens.sort_unstable();
+        }
         let total: usize = lens.iter().sum();
         let pools = [
             PagePool::new(1024, None).unwrap(),

@@ -214,33 +214,56 @@ pub fn attend_batch<T: Element>(
     }
     let r = n_q_heads / n_kv;
     let unit = r * hd;
-    // [sequence][KV head][r·hd]: unit `i·n_kv + h` is sequence i, head h.
-    let mut tmp = vec![0f32; n_seq * n_kv * unit];
     let threads = match threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
+    // One position per sequence: `out` is [sequence][KV head][r·hd], unit
+    // `i·n_kv + h` is sequence i, head h. The units go to the threads in
+    // contiguous ranges of about equal work (cached tokens plus a fixed
+    // cost per call), not equal counts: a batch ordered by length would
+    // otherwise leave one thread most of its tokens.
     let units = n_seq * n_kv;
-    let per = units.div_ceil(threads.min(units).max(1));
-    fan_out(tmp.chunks_mut(per * unit), |ci, block| {
+    let t = threads.min(units).max(1);
+    let cost = |u: usize| caches[u / n_kv].len + BATCH_UNIT_COST;
+    let total: usize = (0..units).map(cost).sum();
+    let mut edges = vec![0];
+    let mut acc = 0;
+    for u in 0..units {
+        acc += cost(u);
+        if edges.len() < t && u + 1 < units && acc * t >= total * edges.len() {
+            edges.push(u + 1);
+        }
+    }
+    edges.push(units);
+    let mut parts = Vec::with_capacity(edges.len() - 1);
+    let mut rest = &mut out[..];
+    for w in edges.windows(2) {
+        let (mine, tail) = rest.split_at_mut((w[1] - w[0]) * unit);
+        parts.push((w[0], mine));
+        rest = tail;
+    }
+    fan_out(parts, |_, (u0, block)| {
         let mut ws = HeadScratch::default();
         for (k, dst) in block.chunks_mut(unit).enumerate() {
-            let u = ci * per + k;
+            let u = u0 + k;
             let (i, h) = (u / n_kv, u % n_kv);
             let qh = &qs[i][h * unit..(h + 1) * unit];
             caches[i].head_attention(h, qh, 1, 0..1, r, None, dst, &mut ws);
         }
     });
     for (i, c) in caches.iter().enumerate() {
-        let t = &mut tmp[i * n_kv * unit..(i + 1) * n_kv * unit];
         if let Some(v) = c.v.codec.as_ref().filter(|v| v.transforms()) {
-            v.transform_out(t);
+            v.transform_out(&mut out[i * qw..(i + 1) * qw]);
         }
-        // One position: [h][r·hd] is already the output's layout.
-        out[i * qw..(i + 1) * qw].copy_from_slice(t);
     }
     Ok(())
 }
+
+/// What one (sequence, KV head) call of `attend_batch` costs beyond its
+/// tokens, in tokens: its setup (sections, scratch, the first tile's
+/// misses) when the batch is split over threads.
+const BATCH_UNIT_COST: usize = 64;
 
 /// Values of one position's queries, `n_q_heads·head_dim`, when it fits.
 fn query_width(op: &'static str, n_q_heads: usize, hd: usize) -> Result<usize> {
