@@ -224,29 +224,13 @@ pub fn attend_batch<T: Element>(
     // cost per call), not equal counts: a batch ordered by length would
     // otherwise leave one thread most of its tokens.
     let units = n_seq * n_kv;
-    let t = threads.min(units).max(1);
-    let cost = |u: usize| caches[u / n_kv].len + BATCH_UNIT_COST;
-    let total: usize = (0..units).map(cost).sum();
-    let mut edges = vec![0];
-    let mut acc = 0;
-    for u in 0..units {
-        acc += cost(u);
-        if edges.len() < t && u + 1 < units && acc * t >= total * edges.len() {
-            edges.push(u + 1);
-        }
-    }
-    edges.push(units);
-    let mut parts = Vec::with_capacity(edges.len() - 1);
-    let mut rest = &mut out[..];
-    for w in edges.windows(2) {
-        let (mine, tail) = rest.split_at_mut((w[1] - w[0]) * unit);
-        parts.push((w[0], mine));
-        rest = tail;
-    }
-    fan_out(parts, |_, (u0, block)| {
+    let parts = balanced_split(out, unit, units, threads, 1, |u| {
+        caches[u / n_kv].len + BATCH_UNIT_COST
+    });
+    fan_out(parts, |_, (us, block)| {
         let mut ws = HeadScratch::default();
         for (k, dst) in block.chunks_mut(unit).enumerate() {
-            let u = u0 + k;
+            let u = us.start + k;
             let (i, h) = (u / n_kv, u % n_kv);
             let qh = &qs[i][h * unit..(h + 1) * unit];
             caches[i].head_attention(h, qh, 1, 0..1, r, None, dst, &mut ws);
@@ -258,6 +242,40 @@ pub fn attend_batch<T: Element>(
         }
     }
     Ok(())
+}
+
+/// `out`, `n` items of `width` values, split into at most `threads`
+/// contiguous ranges of about equal `cost` (inner edges on multiples of
+/// `step`), each with its items' range.
+fn balanced_split(
+    out: &mut [f32],
+    width: usize,
+    n: usize,
+    threads: usize,
+    step: usize,
+    cost: impl Fn(usize) -> usize,
+) -> Vec<(std::ops::Range<usize>, &mut [f32])> {
+    let t = threads.min(n).max(1);
+    let total: usize = (0..n).map(&cost).sum();
+    let mut edges = vec![0];
+    let mut acc = 0;
+    for i in 0..n {
+        acc += cost(i);
+        let e = (i + 1).div_ceil(step) * step;
+        if edges.len() < t && e < n && e > edges[edges.len() - 1] && acc * t >= total * edges.len()
+        {
+            edges.push(e);
+        }
+    }
+    edges.push(n);
+    let mut parts = Vec::with_capacity(edges.len() - 1);
+    let mut rest = out;
+    for w in edges.windows(2) {
+        let (mine, tail) = rest.split_at_mut((w[1] - w[0]) * width);
+        parts.push((w[0]..w[1], mine));
+        rest = tail;
+    }
+    parts
 }
 
 /// What one (sequence, KV head) call of `attend_batch` costs beyond its
@@ -1093,25 +1111,8 @@ impl LayerCache {
             let pos = len - n + j;
             window.map_or(pos + 1, |w| (pos + 1).min(w))
         };
-        let total: usize = (0..n).map(visible).sum();
         let sub = (QUERY_BLOCK / r).max(1);
-        let mut edges = vec![0];
-        let mut acc = 0;
-        for j in 0..n {
-            acc += visible(j);
-            let e = (j + 1).div_ceil(sub) * sub;
-            if acc * threads >= total * edges.len() && e < n && e > *edges.last().unwrap() {
-                edges.push(e);
-            }
-        }
-        edges.push(n);
-        let mut parts = Vec::new();
-        let mut rest = out;
-        for w in edges.windows(2) {
-            let (mine, tail) = rest.split_at_mut((w[1] - w[0]) * qw);
-            parts.push((w[0]..w[1], mine));
-            rest = tail;
-        }
+        let parts = balanced_split(out, qw, n, threads, sub, visible);
         let scale = self.scale();
         let kt = self.k.codec.as_ref().filter(|c| c.transforms());
         let vt = self.v.codec.as_ref().filter(|c| c.transforms());
