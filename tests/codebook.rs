@@ -271,8 +271,17 @@ fn kernels_match_the_oracle_on_every_backend() {
                     continue;
                 };
                 drop(built);
-                // 300 tokens: past the kernels' 256-token block of widened scales.
-                for (tokens, nq) in [(1usize, 1usize), (17, 4), (70, 3), (300, 2)] {
+                // 300 tokens: past the kernels' 256-token block of widened
+                // scales. One query takes its own path (rows straight into
+                // registers): whole tiles of 16 and a partial one.
+                for (tokens, nq) in [
+                    (1usize, 1usize),
+                    (17, 4),
+                    (70, 3),
+                    (300, 2),
+                    (37, 1),
+                    (300, 1),
+                ] {
                     let rows: Vec<f32> = (0..tokens * 2 * hd)
                         .map(|i| rng.normal() * if i % 17 == 0 { 8.0 } else { 1.0 })
                         .collect();
@@ -583,8 +592,10 @@ fn fp8_codecs_in_kernels_and_budgets() {
             (40, Group::Size(8)),
         ] {
             let c = Codec::codebook(sym(8, group), levels);
-            let rows: Vec<f32> = (0..9 * 2 * hd).map(|_| rng.normal() * 3.0).collect();
-            check_kernels(&pack(c, &rows, 2, hd), &mut rng, 3, &c.label());
+            for (tokens, nq) in [(9, 3), (21, 1)] {
+                let rows: Vec<f32> = (0..tokens * 2 * hd).map(|_| rng.normal() * 3.0).collect();
+                check_kernels(&pack(c, &rows, 2, hd), &mut rng, nq, &c.label());
+            }
         }
         // 4 bits is not an fp8 width.
         assert!(Codec::codebook(sym(4, Group::Head), levels)

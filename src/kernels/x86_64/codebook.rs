@@ -4,7 +4,10 @@
 //! per query ([`dot_tile`]) or one broadcast weighted update of every
 //! output vector ([`sum_vectors`]), as the uniform tiles do.
 
-use super::generic::{dot_tile, splat_tile, store_lanes, sum_vectors, Ahead, Buf};
+use super::generic::{
+    dot_tile, reduce_query, row_vectors, splat_tile, store_lanes, sum_vectors, unroll, zero_tail,
+    Ahead, Buf, MAX_NCH,
+};
 use super::Simd;
 use crate::kernels::codebook::Book;
 use crate::scheme::Layout;
@@ -44,18 +47,83 @@ pub(crate) fn check(head: &PackedHead<'_>, x: usize, out: usize, sum: bool) {
     assert!(x == xs && out == os, "codebook: lengths");
 }
 
-/// Decode the `hd` codes of `row` (`B` 2, 3 or 4 with a table; 8 for fp8,
-/// `fp8` its shift and factor) to their values, times their group's scale
-/// from `sc` when `SCALED` (groups of `2^gshift` channels, a multiple of
-/// `L`; else unscaled: the caller scales). Vector `j` of the row goes to
-/// `dst + j·stride`. The width and the scaling are compile-time constants
-/// so the loops are straight-line vector code.
+/// Vector `j` of a row's values before the group's scale: elements
+/// `j·L..(j+1)·L`, from the `hd` codes at `row` (`B` 2, 3 or 4 with a
+/// table; 8 for fp8, `fp8` its shift and factor). The lookup reads the
+/// index's low four bits only, so a 4-bit field needs no mask, nor a
+/// 2-bit one with the table repeated every four entries ([`table_for`]).
 ///
 /// # Safety
-/// `row` valid for `hd·B/8` bytes, `dst` for `hd/L` vectors `stride`
-/// floats apart; `hd/L`
-/// planes whole vectors ([`takes`]); with `SCALED`, `sc` holds
-/// `hd >> gshift` scales.
+/// `row` valid for `hd·B/8` bytes, every plane whole vectors ([`takes`]),
+/// `j < hd/L`.
+#[inline(always)]
+unsafe fn book_vec<S: Simd, const B: u8>(
+    s: S,
+    tbl: S::T16,
+    fp8: (u32, f32),
+    row: *const u8,
+    hd: usize,
+    j: usize,
+) -> S::F {
+    let e = j * S::L;
+    // SAFETY: every load reads `L` bytes inside the row's planes, by
+    // `takes` and the caller's contract (see `crate::pack` for the plane
+    // layout).
+    unsafe {
+        match B {
+            8 => {
+                let v = s.load_u8(row.add(e));
+                let sign = s.shr_mask(v, -24, 0x8000_0000);
+                let mag = s.shr_mask(v, -(fp8.0 as i32), 0x7f << fp8.0);
+                s.mul(s.bits_f32(s.or(sign, mag)), s.splat(fp8.1))
+            }
+            4 => {
+                let m = hd / 2;
+                let v = s.load_u8(row.add(e % m));
+                s.lut16(tbl, s.shr_mask(v, 4 * (e / m) as i32, u32::MAX))
+            }
+            2 => {
+                let m = hd / 4;
+                let v = s.load_u8(row.add(e % m));
+                s.lut16(tbl, s.shr_mask(v, 2 * (e / m) as i32, u32::MAX))
+            }
+            _ => {
+                // Two planes: bits 0–1 in `m2` bytes, then bit 2 in `m1`.
+                let (m2, m1) = (hd / 4, hd / 8);
+                let (f, jb) = (e / m2, e % m2);
+                let lo = s.load_u8(row.add(jb));
+                let hi = s.load_u8(row.add(m2 + jb % m1));
+                let k = (2 * f + jb / m1) as i32;
+                let idx = s.or(s.shr_mask(lo, 2 * f as i32, 3), s.shr_mask(hi, k - 2, 4));
+                s.lut16(tbl, idx)
+            }
+        }
+    }
+}
+
+/// The 16-entry table the kernels look codes of `bits` up in: 2-bit
+/// levels repeated every four entries, so a field shifted down needs no
+/// mask ([`book_vec`]); others as stored.
+#[inline(always)]
+fn table_for(book: Book<'_>, bits: u8) -> [f32; 16] {
+    let mut t = *book.table;
+    if bits == 2 && !book.fp8 {
+        for i in 4..16 {
+            t[i] = t[i & 3];
+        }
+    }
+    t
+}
+
+/// Decode the `hd` codes of `row` to their values, times their group's
+/// scale from `sc` when `SCALED` (groups of `2^gshift` channels, a
+/// multiple of `L`; else unscaled: the caller scales). Vector `j` of the
+/// row goes to `dst + j·stride`. The width and the scaling are
+/// compile-time constants so the loops are straight-line vector code.
+///
+/// # Safety
+/// As [`book_vec`]; `dst` valid for `hd/L` vectors `stride` floats apart;
+/// with `SCALED`, `sc` holds `hd >> gshift` scales.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn decode_codes<S: Simd, const B: u8, const SCALED: bool>(
@@ -67,69 +135,148 @@ unsafe fn decode_codes<S: Simd, const B: u8, const SCALED: bool>(
     (sc, gshift): (*const f32, u32),
     (dst, stride): (*mut f32, usize),
 ) {
-    // A macro, not a closure: a closure's body is compiled without the
-    // trampoline's target features, so the vector calls in it would not
-    // inline. Every use stores the `L` floats of elements `e..e + L`
-    // (`e` a multiple of `L`, `e + L <= hd`); `e >> gshift` is a group of
-    // the row.
-    macro_rules! put {
-        ($e:expr, $v:expr) => {{
-            let (e, v) = ($e, $v);
+    for j in 0..hd / S::L {
+        // SAFETY: the caller's contract; `j < hd/L`, group `j·L >> gshift`
+        // of the row.
+        unsafe {
+            let v = book_vec::<S, B>(s, tbl, fp8, row, hd, j);
             let v = if SCALED {
-                s.mul(v, s.bcast(sc.add(e >> gshift)))
+                s.mul(v, s.bcast(sc.add((j * S::L) >> gshift)))
             } else {
                 v
             };
-            s.store(dst.add(e / S::L * stride), v)
-        }};
+            s.store(dst.add(j * stride), v)
+        }
     }
-    // SAFETY: every load reads `L` bytes inside the row's planes and every
-    // store is of vector `e/L < hd/L` of `dst`, by `takes` and the caller's contract
-    // (see `crate::pack` for the plane layout).
-    unsafe {
-        match B {
-            8 => {
-                let (sh, f) = (fp8.0 as i32, s.splat(fp8.1));
-                for j in (0..hd).step_by(S::L) {
-                    let v = s.load_u8(row.add(j));
-                    let sign = s.shr_mask(v, -24, 0x8000_0000);
-                    let mag = s.shr_mask(v, -sh, 0x7f << fp8.0);
-                    put!(j, s.mul(s.bits_f32(s.or(sign, mag)), f));
-                }
-            }
-            4 => {
-                let m = hd / 2;
-                for j in (0..m).step_by(S::L) {
-                    let v = s.load_u8(row.add(j));
-                    put!(j, s.lut16(tbl, s.shr_mask(v, 0, 15)));
-                    put!(j + m, s.lut16(tbl, s.shr_mask(v, 4, 15)));
-                }
-            }
-            2 => {
-                let m = hd / 4;
-                for j in (0..m).step_by(S::L) {
-                    let v = s.load_u8(row.add(j));
-                    for f in 0..4 {
-                        let idx = s.shr_mask(v, 2 * f as i32, 3);
-                        put!(j + f * m, s.lut16(tbl, idx));
-                    }
-                }
-            }
-            _ => {
-                // Two planes: bits 0–1 in `m2` bytes, then bit 2 in `m1`.
-                let (m2, m1) = (hd / 4, hd / 8);
-                for j in (0..m2).step_by(S::L) {
-                    let lo = s.load_u8(row.add(j));
-                    let hb = j / m1;
-                    let hi = s.load_u8(row.add(m2 + j % m1));
-                    for f in 0..4 {
-                        let k = (2 * f + hb) as i32;
-                        let idx = s.or(s.shr_mask(lo, 2 * f as i32, 3), s.shr_mask(hi, k - 2, 4));
-                        put!(j + f * m2, s.lut16(tbl, idx));
-                    }
-                }
+}
+
+/// The `n·gpr` scales of tokens `t0..t0 + n` as `f32`, into `scales`:
+/// `f16` ones widened `L` at a time (read per group they cost more than
+/// the row's decode), others read one by one.
+#[inline(always)]
+fn tile_scales<S: Simd>(
+    s: S,
+    head: &PackedHead<'_>,
+    f16: bool,
+    gpr: usize,
+    (t0, n): (usize, usize),
+    scales: &mut [f32],
+) {
+    let n = n * gpr;
+    if f16 {
+        let p = &head.params()[t0 * gpr * 2..(t0 * gpr + n) * 2];
+        let whole_l = n / S::L * S::L;
+        for k in (0..whole_l).step_by(S::L) {
+            // SAFETY: `2·L` bytes at `2k` lie inside `p` (`k + L <= n`, `p`
+            // holds `2n`), and `scales` holds `n` floats.
+            unsafe {
+                let v = s.load_f16(p.as_ptr().add(2 * k));
+                s.store(scales.as_mut_ptr().add(k), v);
             }
         }
+        for (k, v) in scales.iter_mut().enumerate().take(n).skip(whole_l) {
+            *v = half::f16::from_bits(u16::from_le_bytes([p[2 * k], p[2 * k + 1]])).to_f32();
+        }
+    } else {
+        for (k, v) in scales[..n].iter_mut().enumerate() {
+            *v = head.param(t0 + k / gpr, k % gpr).0;
+        }
+    }
+}
+
+/// One query's scores (`sum` false) or weighted sum over the whole head,
+/// straight from the codes: nothing decoded to memory, the query or the
+/// output row held in registers throughout. Per token, vector `j` of the
+/// row is `level·c` with `c` the coefficient of its group (groups of
+/// `2^gshift` channels): the scale for scores, the token's weight times
+/// the scale for the sum (`o_j += level·c`). The scores add the vectors in
+/// the scratch path's order ([`dot_tile`]), so both give the same bits.
+///
+/// # Safety
+/// [`check`] and [`takes`] hold, one query, groups of whole vectors,
+/// `HD` the head dim and at most `MAX_NCH·L`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn one_query<S: Simd, const B: u8, const HD: usize>(
+    s: S,
+    head: &PackedHead<'_>,
+    (tbl, fp8): (S::T16, (u32, f32)),
+    x: &[f32],
+    out: &mut [f32],
+    sum: bool,
+    (f16, gshift, pb): (bool, u32, usize),
+) {
+    let nch = HD / S::L;
+    let (rb, tokens) = (head.layout().row_bytes(), head.tokens());
+    let gpr = HD >> gshift;
+    let (codes, params) = (head.codes().as_ptr(), head.params().as_ptr());
+    // The query (scores) or the output row (sum), `HD` floats.
+    let mut row_buf = [0f32; MAX_NCH * 16];
+    let rp = if sum {
+        out.as_mut_ptr()
+    } else {
+        row_buf[..HD].copy_from_slice(x);
+        row_buf.as_mut_ptr()
+    };
+    let mut scales = vec![0f32; S::T * gpr];
+    let mut acc = Buf::new(S::T * S::L);
+    let acc = acc.m().as_mut_ptr();
+    let mut t0 = 0;
+    while t0 < tokens {
+        let n = S::T.min(tokens - t0);
+        tile_scales(s, head, f16, gpr, (t0, n), &mut scales);
+        if sum {
+            for (c, &w) in scales.chunks_exact_mut(gpr).zip(&x[t0..t0 + n]) {
+                c.iter_mut().for_each(|c| *c *= w);
+            }
+        }
+        let ah = [
+            Ahead::new(codes, rb, t0, tokens),
+            Ahead::new(params, pb, t0, tokens),
+        ];
+        // SAFETY: rows `t0..t0 + n` lie in the codes (`check`), their
+        // `gpr` coefficients each in `scales`; `rp` holds `HD = nch·L` floats (`check`,
+        // `row_buf`); `acc` `T` vectors; vectors `j < nch`.
+        unsafe {
+            // Held in registers for the tile: the loop has no calls.
+            let mut r = [s.zero(); MAX_NCH];
+            unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                r[j] = s.load(rp.add(j * S::L));
+            });
+            for tt in 0..n {
+                ah[0].token(tt);
+                ah[1].token(tt);
+                let (row, c) = (codes.add((t0 + tt) * rb), scales.as_ptr().add(tt * gpr));
+                if sum {
+                    unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                        let v = book_vec::<S, B>(s, tbl, fp8, row, HD, j);
+                        r[j] = s.fma(v, s.bcast(c.add((j * S::L) >> gshift)), r[j]);
+                    });
+                } else {
+                    let mut a = s.zero();
+                    unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                        let v = book_vec::<S, B>(s, tbl, fp8, row, HD, j);
+                        let v = s.mul(v, s.bcast(c.add((j * S::L) >> gshift)));
+                        a = s.fma(v, r[j], a);
+                    });
+                    s.store(acc.add(tt * S::L), a);
+                }
+            }
+            if sum {
+                unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                    s.store(rp.add(j * S::L), r[j]);
+                });
+            }
+        }
+        if !sum {
+            // SAFETY: `acc` holds `T` vectors.
+            let v = unsafe {
+                zero_tail(s, acc, 1, n);
+                reduce_query(s, acc, 0)
+            };
+            store_lanes(s, v, &mut out[t0..t0 + n]);
+        }
+        t0 += n;
     }
 }
 
@@ -205,15 +352,20 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
     let tokens = head.tokens();
     let nq = if sum { out.len() / hd } else { x.len() / hd };
     // (A table book's shift and factor are zero: `Book::new`.)
-    let (tbl, fp8) = (s.table16(book.table), (book.shift, book.factor));
+    let t16 = table_for(book, bits);
+    let (tbl, fp8) = (s.table16(&t16), (book.shift, book.factor));
     let nch = hd / S::L;
     // Scales applied in the decode for groups of whole vectors (a shift
     // finds the group); by the scalar loop below otherwise.
     let scaled = cpg.is_multiple_of(S::L) && cpg.is_power_of_two();
     let gshift = cpg.trailing_zeros();
     let gpr = hd / cpg;
+    // One query at a compile-time head dim with whole-vector groups: rows
+    // straight into registers, the query (scores) or the output (sum)
+    // held there for the whole head.
+    let one = nq == 1 && HD > 0 && scaled && nch <= MAX_NCH;
     // Vector-major: vector `j` of token `tt` at `(j·T + tt)·L`.
-    let mut scr = Buf::new(S::T * hd);
+    let mut scr = Buf::new(if one { 0 } else { S::T * hd });
     let scr = scr.m().as_mut_ptr();
     let stride = S::T * S::L;
     // The tile's f16 scales widened at once (`L` per load): the per-group
@@ -230,32 +382,28 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
     } else {
         gpr * l.scheme().param_bytes()
     };
+    if one {
+        let c = (f16, gshift, pb);
+        // SAFETY: the caller's contract; `one` adds one query, whole-vector
+        // groups and a compile-time head dim of at most `MAX_NCH` vectors.
+        unsafe {
+            match bits {
+                2 => one_query::<S, 2, HD>(s, head, (tbl, fp8), x, out, sum, c),
+                3 => one_query::<S, 3, HD>(s, head, (tbl, fp8), x, out, sum, c),
+                4 => one_query::<S, 4, HD>(s, head, (tbl, fp8), x, out, sum, c),
+                8 => one_query::<S, 8, HD>(s, head, (tbl, fp8), x, out, sum, c),
+                _ => unreachable!("codebook: `takes` admits 2, 3, 4 and 8 bits"),
+            }
+        }
+        return;
+    }
+    if std::env::var("KVQ_DBG").is_ok() {
+        eprintln!("scratch nq={nq} HD={HD} scaled={scaled} sum={sum} cpg={cpg} bits={bits}");
+    }
     let mut t0 = 0;
     while t0 < tokens {
         let n = S::T.min(tokens - t0);
-        {
-            let n = n * gpr;
-            if f16 {
-                let p = &head.params()[t0 * gpr * 2..(t0 * gpr + n) * 2];
-                let whole_l = n / S::L * S::L;
-                for k in (0..whole_l).step_by(S::L) {
-                    // SAFETY: `2·L` bytes at `2k` lie inside `p` (`k + L <=
-                    // n`, `p` holds `2n`), and `scales` holds `n` floats.
-                    unsafe {
-                        let v = s.load_f16(p.as_ptr().add(2 * k));
-                        s.store(scales.as_mut_ptr().add(k), v);
-                    }
-                }
-                for (k, v) in scales.iter_mut().enumerate().take(n).skip(whole_l) {
-                    *v =
-                        half::f16::from_bits(u16::from_le_bytes([p[2 * k], p[2 * k + 1]])).to_f32();
-                }
-            } else {
-                for (k, v) in scales[..n].iter_mut().enumerate() {
-                    *v = head.param(t0 + k / gpr, k % gpr).0;
-                }
-            }
-        }
+        tile_scales(s, head, f16, gpr, (t0, n), &mut scales);
         let ah = [
             Ahead::new(codes, rb, t0, tokens),
             Ahead::new(params, pb, t0, tokens),

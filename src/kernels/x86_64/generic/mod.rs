@@ -61,6 +61,8 @@ macro_rules! unroll {
     };
 }
 
+pub(crate) use unroll;
+
 mod dense;
 mod fused_scores;
 mod params;
