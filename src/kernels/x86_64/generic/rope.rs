@@ -291,6 +291,12 @@ pub(crate) unsafe fn rope_scores_fused<S: Simd, const B: u8, const HD: usize>(
     let gl = l.group_len();
     let codes = head.codes().as_ptr();
     let (mut sc, mut ze) = (Buf::new(hdp), Buf::new(hdp));
+    // One query, pairs `(c, c + HD/2)`: the block's scales and zeros and
+    // the turned-back query folded per (block, coarse row), see
+    // [`fold_rope_query`].
+    let one = nq == 1 && !rope.adjacent;
+    let mut fold = Buf::new(if one { 6 * hd / 2 } else { 0 });
+    let mut folded = (usize::MAX, usize::MAX);
     let pf = BlockAhead::new(head, true);
     // The block walk of `channel_tiles`, written out: a closure would not
     // inherit the target features of the kernel's trampoline, and its SIMD
@@ -321,20 +327,33 @@ pub(crate) unsafe fn rope_scores_fused<S: Simd, const B: u8, const HD: usize>(
             // `rope_scores_on`'s check); `qr` holds `nq` queries of
             // `hd = hdp` floats; `accbuf` `nq·T` vectors.
             unsafe {
-                fused_rope_tile::<S, B, HD>(
-                    s,
-                    g,
-                    codes.add(t0 * g.rb),
-                    n,
-                    d,
-                    rope,
-                    lo0,
-                    swap,
-                    work.qr.s().as_ptr(),
-                    nq,
-                    accbuf.m().as_mut_ptr(),
-                    ah,
-                );
+                if one {
+                    if folded != (k, hi) {
+                        fold_rope_query(s, g, work.qr.s().as_ptr(), d, fold.m().as_mut_ptr());
+                        folded = (k, hi);
+                    }
+                    let (rows, f, a) = (
+                        codes.add(t0 * g.rb),
+                        fold.s().as_ptr(),
+                        accbuf.m().as_mut_ptr(),
+                    );
+                    fused_rope_tile_one::<S, B, HD>(s, g, rows, n, rope, lo0, f, a, ah);
+                } else {
+                    fused_rope_tile::<S, B, HD>(
+                        s,
+                        g,
+                        codes.add(t0 * g.rb),
+                        n,
+                        d,
+                        rope,
+                        lo0,
+                        swap,
+                        work.qr.s().as_ptr(),
+                        nq,
+                        accbuf.m().as_mut_ptr(),
+                        ah,
+                    );
+                }
                 for i in 0..nq {
                     let r = reduce_query(s, accbuf.s().as_ptr(), i);
                     let o = i * t_all + t0;
@@ -344,6 +363,93 @@ pub(crate) unsafe fn rope_scores_fused<S: Simd, const B: u8, const HD: usize>(
             t0 += n;
         }
     }
+}
+
+/// Fold one turned-back query `q` (`HD` floats) with a block's scales and
+/// zeros (`d`) for [`fused_rope_tile_one`]: with pairs `(a, b) = (c, c +
+/// HD/2)`, key `k = scale·code + zero` turned by `θ` and query `q`,
+/// `q·R(θ)k = Σ cos θ·u + sin θ·v` where `u = q_a·k_a + q_b·k_b =
+/// A·code_a + B·code_b + U` and `v = q_b·k_a − q_a·k_b = C·code_a −
+/// D·code_b + V`. `fold` gets `A, B, C, −D, U, V`, `HD/2` floats each.
+///
+/// # Safety
+/// `q` valid for `HD` floats, `d`'s scales and zeros for `HD`, `fold` for
+/// `3·HD`; `Geo::fast` (whole vectors), `nch` even.
+#[inline(always)]
+unsafe fn fold_rope_query<S: Simd>(s: S, g: Geo, q: *const f32, d: Rows, fold: *mut f32) {
+    let (half, m) = (g.nch / 2, g.hd / 2);
+    for j in 0..half {
+        let (a, b) = (j * S::L, (j + half) * S::L);
+        // SAFETY: the caller's contract; vectors `j`, `j + nch/2 < nch`.
+        unsafe {
+            let (qa, qb) = (s.load(q.add(a)), s.load(q.add(b)));
+            let (sa, sb) = (s.load(d.sc.add(a)), s.load(d.sc.add(b)));
+            let (za, zb) = (s.load(d.ze.add(a)), s.load(d.ze.add(b)));
+            let o = fold.add(a);
+            s.store(o, s.mul(qa, sa));
+            s.store(o.add(m), s.mul(qb, sb));
+            s.store(o.add(2 * m), s.mul(qb, sa));
+            s.store(o.add(3 * m), s.sub(s.zero(), s.mul(qa, sb)));
+            s.store(o.add(4 * m), s.fma(qa, za, s.mul(qb, zb)));
+            s.store(o.add(5 * m), s.sub(s.mul(qb, za), s.mul(qa, zb)));
+        }
+    }
+}
+
+/// One tile of [`rope_scores_fused`] for one query and pairs `(c, c +
+/// HD/2)`: per token and pair vector two FMAs each for `u` and `v` of
+/// [`fold_rope_query`] from the raw codes, and two for `cos·u + sin·v` —
+/// the key is never dequantized nor turned. Partial sums to
+/// `accbuf[tt·L]`, rows `n..T` zero.
+///
+/// # Safety
+/// `rows` valid for `n` rows; fine rows `lo0..lo0 + n` exist; `fold` as
+/// [`fold_rope_query`] wrote it for this tile's block and coarse row;
+/// `accbuf` valid for `T·L`; [`rope_fused_takes`] holds.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn fused_rope_tile_one<S: Simd, const B: u8, const HD: usize>(
+    s: S,
+    g: Geo,
+    rows: *const u8,
+    n: usize,
+    rope: &RopeRows<'_>,
+    lo0: usize,
+    fold: *const f32,
+    accbuf: *mut f32,
+    ah: [Ahead; 2],
+) {
+    let (loc, los) = (rope.lo.0.as_ptr(), rope.lo.1.as_ptr());
+    let (lanes, half, m) = (rope.lanes, g.nch / 2, g.hd / 2);
+    let mut f = [[s.zero(); MAX_NCH]; 6];
+    for (k, fk) in f.iter_mut().enumerate() {
+        unroll!(cap = row_vectors::<S, HD>() / 2; j in 0, half => {
+            // SAFETY: the caller's contract: `fold` holds 6 runs of `HD/2`.
+            fk[j] = unsafe { s.load(fold.add(k * m + j * S::L)) };
+        });
+    }
+    for tt in 0..n {
+        ah[0].token(tt);
+        ah[1].token(tt);
+        // SAFETY: the caller's contract; row `tt < n`, vectors `j`, `j +
+        // nch/2 < nch`, fine row `lo0 + tt` of `lanes` floats.
+        unsafe {
+            let row = rows.add(tt * g.rb);
+            let l = (lo0 + tt) * lanes;
+            let mut acc = [s.zero(); 2];
+            unroll!(cap = row_vectors::<S, HD>() / 2; j in 0, half => {
+                let ca = row_vec::<S, B, Raw, false>(s, g, Raw, row, tt, j);
+                let cb = row_vec::<S, B, Raw, false>(s, g, Raw, row, tt, j + half);
+                let u = s.fma(f[0][j], ca, s.fma(f[1][j], cb, f[4][j]));
+                let v = s.fma(f[2][j], ca, s.fma(f[3][j], cb, f[5][j]));
+                acc[0] = s.fma(s.load(loc.add(l + j * S::L)), u, acc[0]);
+                acc[1] = s.fma(s.load(los.add(l + j * S::L)), v, acc[1]);
+            });
+            s.store(accbuf.add(tt * S::L), s.add(acc[0], acc[1]));
+        }
+    }
+    // SAFETY: the caller's contract.
+    unsafe { zero_tail(s, accbuf, 1, n) };
 }
 
 /// One tile of [`rope_scores_fused`]: row `tt` unpacked and dequantized
