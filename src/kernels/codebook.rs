@@ -1,11 +1,13 @@
 //! Fused kernels of the codebook formats ([`Levels`](crate::Levels)):
 //! `x̂ = scale·level[code]`, read straight from packed codes.
 //!
-//! Each token's row is decoded once into an L1 scratch of `head_dim`
-//! floats — codes looked up in the table held in registers (`vpermps`, see
-//! `x86_64/codebook.rs`), times the group's scale — and shared by every
-//! query of the KV head: scores are `q_i·row`, the weighted sum adds
-//! `p_it·row` to each output. Rows of 2, 3 and 4 bits whose planes are whole
+//! Each token's row is decoded once — codes looked up in the table held in
+//! registers (`vpermps`, see `x86_64/codebook.rs`), times the group's
+//! scale — and shared by every query of the KV head: scores are
+//! `q_i·row`, the weighted sum adds `p_it·row` to each output. With one
+//! query at head_dim 128 the row stays in registers; otherwise it goes
+//! through an L1 scratch of `head_dim` floats per token of a 16-token
+//! tile. Rows of 2, 3 and 4 bits (and fp8) whose planes are whole
 //! vectors (every such width at head_dim 128 and 256) take the SIMD path;
 //! every other row, and [`Backend::Portable`], the scalar one here, which
 //! unpacks with [`pack::unpack`](crate::pack::unpack).

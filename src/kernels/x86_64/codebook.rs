@@ -1,8 +1,10 @@
-//! The codebook kernels' vector loops (see `kernels/codebook.rs`): a tile
-//! of `T` rows decoded with [`Simd::lut16`] and scaled per group into the
-//! uniform kernels' vector-major scratch, then one transposed reduction
-//! per query ([`dot_tile`]) or one broadcast weighted update of every
-//! output vector ([`sum_vectors`]), as the uniform tiles do.
+//! The codebook kernels' vector loops (see `kernels/codebook.rs`). One
+//! query at a compile-time head dim ([`one_query`]): each row looked up
+//! with [`Simd::lut16`], scaled per group and multiplied into the query or
+//! added into the output, all in registers. Several queries: a tile of
+//! `T` rows decoded and scaled into the uniform kernels' vector-major
+//! scratch, then one transposed reduction per query ([`dot_tile`]) or one
+//! broadcast weighted update of every output vector ([`sum_vectors`]).
 
 use super::generic::{
     dot_tile, reduce_query, row_vectors, splat_tile, store_lanes, sum_vectors, unroll, zero_tail,
@@ -324,11 +326,13 @@ unsafe fn decode_tile<S: Simd, const B: u8, const SCALED: bool>(
 /// (`out_i += Σ_t x[i·T + t]·v̂_t`) of one codebook head, a tile of `T`
 /// tokens at a time.
 ///
-/// The tile's rows go to the vector-major scratch once and are shared by
-/// every query ([`dot_tile`], [`sum_vectors`]). Decoding into registers
-/// instead, each row multiplied into the queries there (the uniform fused
-/// tiles' way), measured no faster with one query and 1.3x slower with
-/// four. `HD` 128 makes every loop over a row straight-line code.
+/// One query at a compile-time head dim takes [`one_query`]. Otherwise the
+/// tile's rows go to the vector-major scratch once and are shared by every
+/// query ([`dot_tile`], [`sum_vectors`]): with four queries, rows decoded
+/// into registers and multiplied into every query there (scores in pairs
+/// of tokens, sums in blocks of the row per pass) measured no faster
+/// (`docs/PERFORMANCE.md`, "What does not pay"). `HD` 128 makes every loop
+/// over a row straight-line code.
 ///
 /// # Safety
 /// [`check`] and [`takes`] hold for these arguments, `HD` is 0 or the

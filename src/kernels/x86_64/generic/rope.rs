@@ -265,6 +265,10 @@ pub(crate) fn rope_fused_takes<S: Simd, const B: u8, const HD: usize>(
 /// in registers, then multiplied into every query at once (the fused
 /// kernels' partial sums and reduction): no scratch is written or read
 /// back, and the rotation of a token serves every query of the KV head.
+/// One query with pairs `(c, c + HD/2)` folds the block's scales and zeros
+/// into the query instead ([`fold_rope_query`]): six FMAs per pair of
+/// vectors from the raw codes, where dequantizing, turning and dotting
+/// take nine.
 ///
 /// # Safety
 /// As [`rope_scores`], and [`rope_fused_takes`]`::<S, B, HD>` holds.
