@@ -8,7 +8,7 @@
 
 use super::generic::{
     dot_tile, reduce_query, row_vectors, splat_tile, store_lanes, sum_vectors, unroll, zero_tail,
-    Ahead, Buf, MAX_NCH,
+    Ahead, Buf, Tile3, MAX_NCH,
 };
 use super::Simd;
 use crate::kernels::codebook::Book;
@@ -199,7 +199,7 @@ fn tile_scales<S: Simd>(
 /// `HD` the head dim and at most `MAX_NCH·L`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn one_query<S: Simd, const B: u8, const HD: usize>(
+unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool>(
     s: S,
     head: &PackedHead<'_>,
     (tbl, fp8): (S::T16, (u32, f32)),
@@ -209,6 +209,10 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize>(
     (f16, gshift, pb): (bool, u32, usize),
 ) {
     let nch = HD / S::L;
+    // `BYTES`: 3-bit rows transcoded to a byte per code a tile at a time
+    // (64 codes per register operation), so a vector is a load and a
+    // lookup rather than two loads, two shifts, two masks and a merge.
+    let mut t3 = if BYTES { Tile3::new::<3>(s, HD) } else { None };
     let (rb, tokens) = (head.layout().row_bytes(), head.tokens());
     let gpr = HD >> gshift;
     let (codes, params) = (head.codes().as_ptr(), head.params().as_ptr());
@@ -245,19 +249,32 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize>(
             unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
                 r[j] = s.load(rp.add(j * S::L));
             });
+            let (tile, stride) = match &mut t3 {
+                Some(t3) => (t3.load(s, codes.add(t0 * rb), rb, n), HD),
+                None => (codes.add(t0 * rb), rb),
+            };
+            macro_rules! vec_at {
+                ($row:expr, $j:expr) => {
+                    if BYTES {
+                        s.lut16(tbl, s.load_u8($row.add($j * S::L)))
+                    } else {
+                        book_vec::<S, B>(s, tbl, fp8, $row, HD, $j)
+                    }
+                };
+            }
             for tt in 0..n {
                 ah[0].token(tt);
                 ah[1].token(tt);
-                let (row, c) = (codes.add((t0 + tt) * rb), scales.as_ptr().add(tt * gpr));
+                let (row, c) = (tile.add(tt * stride), scales.as_ptr().add(tt * gpr));
                 if sum {
                     unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
-                        let v = book_vec::<S, B>(s, tbl, fp8, row, HD, j);
+                        let v = vec_at!(row, j);
                         r[j] = s.fma(v, s.bcast(c.add((j * S::L) >> gshift)), r[j]);
                     });
                 } else {
                     let mut a = s.zero();
                     unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
-                        let v = book_vec::<S, B>(s, tbl, fp8, row, HD, j);
+                        let v = vec_at!(row, j);
                         let v = s.mul(v, s.bcast(c.add((j * S::L) >> gshift)));
                         a = s.fma(v, r[j], a);
                     });
@@ -392,10 +409,13 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
         // groups and a compile-time head dim of at most `MAX_NCH` vectors.
         unsafe {
             match bits {
-                2 => one_query::<S, 2, HD>(s, head, (tbl, fp8), x, out, sum, c),
-                3 => one_query::<S, 3, HD>(s, head, (tbl, fp8), x, out, sum, c),
-                4 => one_query::<S, 4, HD>(s, head, (tbl, fp8), x, out, sum, c),
-                8 => one_query::<S, 8, HD>(s, head, (tbl, fp8), x, out, sum, c),
+                2 => one_query::<S, 2, HD, false>(s, head, (tbl, fp8), x, out, sum, c),
+                3 if s.code3_consts(HD).is_some() => {
+                    one_query::<S, 3, HD, true>(s, head, (tbl, fp8), x, out, sum, c)
+                }
+                3 => one_query::<S, 3, HD, false>(s, head, (tbl, fp8), x, out, sum, c),
+                4 => one_query::<S, 4, HD, false>(s, head, (tbl, fp8), x, out, sum, c),
+                8 => one_query::<S, 8, HD, false>(s, head, (tbl, fp8), x, out, sum, c),
                 _ => unreachable!("codebook: `takes` admits 2, 3, 4 and 8 bits"),
             }
         }
