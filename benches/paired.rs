@@ -5,6 +5,7 @@
 //! ```text
 //! cargo bench --bench paired                  # ctx 32768, 1 and 4 queries per KV head
 //! cargo bench --bench paired -- 4b 8b         # only cases whose name contains 4b or 8b
+//! cargo bench --bench paired -- 'cache 4b-kivi32$'  # exactly this case (and f16)
 //! KVQ_PAIRED_ROUNDS=200 cargo bench --bench paired
 //! KVQ_BENCH_FULL=1 cargo bench --bench paired # + ctx 131072
 //! KVQ_PAIRED_THREADS=1 KVQ_PAIRED_NQ=1 cargo bench --bench paired -- 4b dram
@@ -75,7 +76,12 @@ fn main() {
         .filter(|a| !a.starts_with("--"))
         .collect();
     let keep = |name: &str| {
-        name == BASELINE || filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
+        // A filter ending in `$` names one case exactly.
+        let hit = |f: &String| match f.strip_suffix('$') {
+            Some(exact) => name == exact,
+            None => name.contains(f.as_str()),
+        };
+        name == BASELINE || filters.is_empty() || filters.iter().any(hit)
     };
     let full = std::env::var("KVQ_BENCH_FULL").is_ok_and(|v| v == "1");
     let nqs = env_list("KVQ_PAIRED_NQ").unwrap_or_else(|| vec![1, 4]);

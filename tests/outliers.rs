@@ -397,7 +397,8 @@ fn fused_kernels_match_the_oracle_on_every_backend() {
                 "{} {n_kv}x{hd}x{tokens}: decode vs round trip {d}",
                 c.label()
             );
-            for nq in [1, 4] {
+            // 20 queries: the post-passes' transposed path (prefill).
+            for nq in [1, 4, 20] {
                 check_kernels(
                     &p,
                     &mut rng,

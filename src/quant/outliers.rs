@@ -535,6 +535,21 @@ pub(crate) fn add_scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
     match q.len() / hd {
         1 => for_each(head, |t, c, r| out[t] += q[c] * r),
+        nq if nq >= WIDE_QUERIES => {
+            // Entry by entry into token-major sums (`nq` contiguous floats
+            // per token, against the queries' channels transposed the same
+            // way), then one blocked transposed add into the scores.
+            let mut qt = vec![0f32; hd * nq];
+            transpose_into(q, nq, hd, &mut qt);
+            let mut acc = vec![0f32; t_all * nq];
+            for_each(head, |t, c, r| {
+                let a = &mut acc[t * nq..(t + 1) * nq];
+                for (a, &x) in a.iter_mut().zip(&qt[c * nq..(c + 1) * nq]) {
+                    *a += x * r;
+                }
+            });
+            add_transposed(&acc, t_all, nq, out);
+        }
         nq => {
             // Query by query over the decoded entries: entry by entry, the
             // queries' scores lie a row of tokens apart, which for prefill
@@ -553,6 +568,38 @@ pub(crate) fn add_scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     }
 }
 
+/// Queries from which the post-passes transpose: each entry then costs
+/// `nq` contiguous multiply-adds, and the transposes cost about one pass
+/// over the `nq` rows. With fewer (GQA decode) query-by-query passes over
+/// the decoded entries cost less than the transposes.
+const WIDE_QUERIES: usize = 16;
+
+/// `dst[j·rows + i] = src[i·cols + j]` for `src` of `rows × cols`, in
+/// blocks of 16 columns so each source line is read once.
+fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    for j0 in (0..cols).step_by(16) {
+        let j1 = (j0 + 16).min(cols);
+        for i in 0..rows {
+            for (j, &v) in (j0..j1).zip(&src[i * cols + j0..i * cols + j1]) {
+                dst[j * rows + i] = v;
+            }
+        }
+    }
+}
+
+/// `out[i·cols + j] += acc[j·rows + i]` for `out` of `rows × cols`, in
+/// blocks of 16 columns.
+fn add_transposed(acc: &[f32], cols: usize, rows: usize, out: &mut [f32]) {
+    for j0 in (0..cols).step_by(16) {
+        let j1 = (j0 + 16).min(cols);
+        for i in 0..rows {
+            for (j, o) in (j0..j1).zip(&mut out[i * cols + j0..i * cols + j1]) {
+                *o += acc[j * rows + i];
+            }
+        }
+    }
+}
+
 /// Every entry of `head` in the view as `(token, channel, correction)`.
 fn entries(head: &PackedHead<'_>) -> Vec<(u32, u32, f32)> {
     let mut v = Vec::new();
@@ -565,6 +612,20 @@ pub(crate) fn add_weighted(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
     match out.len() / hd {
         1 => for_each(head, |t, c, r| out[c] += p[t] * r),
+        nq if nq >= WIDE_QUERIES => {
+            // The weights transposed token-major, entry by entry into
+            // channel-major sums, then one transposed add into the outputs.
+            let mut pt = vec![0f32; t_all * nq];
+            transpose_into(p, nq, t_all, &mut pt);
+            let mut acc = vec![0f32; hd * nq];
+            for_each(head, |t, c, r| {
+                let a = &mut acc[c * nq..(c + 1) * nq];
+                for (a, &w) in a.iter_mut().zip(&pt[t * nq..(t + 1) * nq]) {
+                    *a += w * r;
+                }
+            });
+            add_transposed(&acc, hd, nq, out);
+        }
         nq => {
             // Query by query, as in `add_scores`.
             let ents = entries(head);
