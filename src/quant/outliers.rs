@@ -551,28 +551,24 @@ pub(crate) fn add_scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
             add_transposed(&acc, t_all, nq, out);
         }
         nq => {
-            // Query by query over the decoded entries: entry by entry, the
-            // queries' scores lie a row of tokens apart, which for prefill
-            // blocks (64 rows of 1024) all fall in the same L1 sets.
-            let ents = entries(head);
-            for i in 0..nq {
-                let (qi, oi) = (
-                    &q[i * hd..(i + 1) * hd],
-                    &mut out[i * t_all..(i + 1) * t_all],
-                );
-                for &(t, c, r) in &ents {
-                    oi[t as usize] += qi[c as usize] * r;
+            // Entry by entry, each entry into every query: a few rows of
+            // scores a row of tokens apart share an L1 set without
+            // evicting each other.
+            for_each(head, |t, c, r| {
+                for i in 0..nq {
+                    out[i * t_all + t] += q[i * hd + c] * r;
                 }
-            }
+            });
         }
     }
 }
 
 /// Queries from which the post-passes transpose: each entry then costs
-/// `nq` contiguous multiply-adds, and the transposes cost about one pass
-/// over the `nq` rows. With fewer (GQA decode) query-by-query passes over
-/// the decoded entries cost less than the transposes.
-const WIDE_QUERIES: usize = 16;
+/// `nq` contiguous multiply-adds, and the transposes about one pass over
+/// the `nq` rows. Fewer (GQA decode) take each entry into every query in
+/// place: their rows, a row of tokens apart, fall into one L1 set, which
+/// holds 12 lines on the machines measured.
+const WIDE_QUERIES: usize = 9;
 
 /// `dst[j·rows + i] = src[i·cols + j]` for `src` of `rows × cols`, in
 /// blocks of 16 columns so each source line is read once.
@@ -600,13 +596,6 @@ fn add_transposed(acc: &[f32], cols: usize, rows: usize, out: &mut [f32]) {
     }
 }
 
-/// Every entry of `head` in the view as `(token, channel, correction)`.
-fn entries(head: &PackedHead<'_>) -> Vec<(u32, u32, f32)> {
-    let mut v = Vec::new();
-    for_each(head, |t, c, r| v.push((t as u32, c as u32, r)));
-    v
-}
-
 /// `out[i·hd + c] += p[i·T + t]·correction` for each entry.
 pub(crate) fn add_weighted(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
@@ -627,17 +616,12 @@ pub(crate) fn add_weighted(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
             add_transposed(&acc, hd, nq, out);
         }
         nq => {
-            // Query by query, as in `add_scores`.
-            let ents = entries(head);
-            for i in 0..nq {
-                let (pi, oi) = (
-                    &p[i * t_all..(i + 1) * t_all],
-                    &mut out[i * hd..(i + 1) * hd],
-                );
-                for &(t, c, r) in &ents {
-                    oi[c as usize] += pi[t as usize] * r;
+            // Entry by entry, as in `add_scores`.
+            for_each(head, |t, c, r| {
+                for i in 0..nq {
+                    out[i * hd + c] += p[i * t_all + t] * r;
                 }
-            }
+            });
         }
     }
 }
