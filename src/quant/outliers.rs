@@ -535,21 +535,7 @@ pub(crate) fn add_scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
     match q.len() / hd {
         1 => for_each(head, |t, c, r| out[t] += q[c] * r),
-        nq if nq >= WIDE_QUERIES => {
-            // Entry by entry into token-major sums (`nq` contiguous floats
-            // per token, against the queries' channels transposed the same
-            // way), then one blocked transposed add into the scores.
-            let mut qt = vec![0f32; hd * nq];
-            transpose_into(q, nq, hd, &mut qt);
-            let mut acc = vec![0f32; t_all * nq];
-            for_each(head, |t, c, r| {
-                let a = &mut acc[t * nq..(t + 1) * nq];
-                for (a, &x) in a.iter_mut().zip(&qt[c * nq..(c + 1) * nq]) {
-                    *a += x * r;
-                }
-            });
-            add_transposed(&acc, t_all, nq, out);
-        }
+        nq if nq >= WIDE_QUERIES => wide_pass(head, (q, hd), (out, t_all), nq, |t, c| (t, c)),
         nq => {
             // Entry by entry, each entry into every query: a few rows of
             // scores a row of tokens apart share an L1 set without
@@ -567,8 +553,34 @@ pub(crate) fn add_scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
 /// `nq` contiguous multiply-adds, and the transposes about one pass over
 /// the `nq` rows. Fewer (GQA decode) take each entry into every query in
 /// place: their rows, a row of tokens apart, fall into one L1 set, which
-/// holds 12 lines on the machines measured.
+/// holds 8 (Zen 4) or 12 (Zen 5) lines.
 const WIDE_QUERIES: usize = 9;
+
+/// The post-pass of `nq ≥ WIDE_QUERIES` queries: `x` (`nq` rows of `xc`:
+/// the queries, or the weights) transposed so each entry multiplies `nq`
+/// contiguous floats, the products summed into `oc` rows of `nq` (tokens
+/// for scores, channels for the weighted sum), then added transposed into
+/// `out` (`nq` rows of `oc`). `pick(token, channel)` gives an entry's
+/// (sum row, row of the transposed `x`).
+fn wide_pass(
+    head: &PackedHead<'_>,
+    (x, xc): (&[f32], usize),
+    (out, oc): (&mut [f32], usize),
+    nq: usize,
+    pick: impl Fn(usize, usize) -> (usize, usize),
+) {
+    let mut xt = vec![0f32; xc * nq];
+    transpose_into(x, nq, xc, &mut xt);
+    let mut acc = vec![0f32; oc * nq];
+    for_each(head, |t, c, r| {
+        let (o, i) = pick(t, c);
+        let a = &mut acc[o * nq..(o + 1) * nq];
+        for (a, &v) in a.iter_mut().zip(&xt[i * nq..(i + 1) * nq]) {
+            *a += v * r;
+        }
+    });
+    add_transposed(&acc, oc, nq, out);
+}
 
 /// `dst[j·rows + i] = src[i·cols + j]` for `src` of `rows × cols`, in
 /// blocks of 16 columns so each source line is read once.
@@ -601,20 +613,7 @@ pub(crate) fn add_weighted(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
     match out.len() / hd {
         1 => for_each(head, |t, c, r| out[c] += p[t] * r),
-        nq if nq >= WIDE_QUERIES => {
-            // The weights transposed token-major, entry by entry into
-            // channel-major sums, then one transposed add into the outputs.
-            let mut pt = vec![0f32; t_all * nq];
-            transpose_into(p, nq, t_all, &mut pt);
-            let mut acc = vec![0f32; hd * nq];
-            for_each(head, |t, c, r| {
-                let a = &mut acc[c * nq..(c + 1) * nq];
-                for (a, &w) in a.iter_mut().zip(&pt[t * nq..(t + 1) * nq]) {
-                    *a += w * r;
-                }
-            });
-            add_transposed(&acc, hd, nq, out);
-        }
+        nq if nq >= WIDE_QUERIES => wide_pass(head, (p, t_all), (out, hd), nq, |t, c| (c, t)),
         nq => {
             // Entry by entry, as in `add_scores`.
             for_each(head, |t, c, r| {
