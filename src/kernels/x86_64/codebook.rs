@@ -213,6 +213,10 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool>(
     // (64 codes per register operation), so a vector is a load and a
     // lookup rather than two loads, two shifts, two masks and a merge.
     let mut t3 = if BYTES { Tile3::new::<3>(s, HD) } else { None };
+    assert!(
+        t3.is_some() == BYTES,
+        "codebook: 3-bit rows are transcoded where the ISA can"
+    );
     let (rb, tokens) = (head.layout().row_bytes(), head.tokens());
     let gpr = HD >> gshift;
     let (codes, params) = (head.codes().as_ptr(), head.params().as_ptr());
