@@ -425,9 +425,6 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
         }
         return;
     }
-    if std::env::var("KVQ_DBG").is_ok() {
-        eprintln!("scratch nq={nq} HD={HD} scaled={scaled} sum={sum} cpg={cpg} bits={bits}");
-    }
     let mut t0 = 0;
     while t0 < tokens {
         let n = S::T.min(tokens - t0);
