@@ -220,16 +220,16 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool>(
     let (rb, tokens) = (head.layout().row_bytes(), head.tokens());
     let gpr = HD >> gshift;
     let (codes, params) = (head.codes().as_ptr(), head.params().as_ptr());
-    // The query (scores) or the output row (sum), `HD` floats.
-    let mut row_buf = [0f32; MAX_NCH * 16];
-    let rp = if sum {
-        out.as_mut_ptr()
+    // The row held in registers: the query (scores) or the output (sum),
+    // `HD` floats either way (`check`).
+    let (rp, op) = if sum {
+        let p = out.as_mut_ptr();
+        (p as *const f32, p)
     } else {
-        row_buf[..HD].copy_from_slice(x);
-        row_buf.as_mut_ptr()
+        (x.as_ptr(), std::ptr::null_mut())
     };
     let mut scales = vec![0f32; S::T * gpr];
-    let mut acc = Buf::new(S::T * S::L);
+    let mut acc = Buf::new(if sum { 0 } else { S::T * S::L });
     let acc = acc.m().as_mut_ptr();
     let mut t0 = 0;
     while t0 < tokens {
@@ -245,8 +245,9 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool>(
             Ahead::new(params, pb, t0, tokens),
         ];
         // SAFETY: rows `t0..t0 + n` lie in the codes (`check`), their
-        // `gpr` coefficients each in `scales`; `rp` holds `HD = nch·L` floats (`check`,
-        // `row_buf`); `acc` `T` vectors; vectors `j < nch`.
+        // `gpr` coefficients each in `scales`; `rp` (and with `sum` `op`,
+        // the same row) holds `HD = nch·L` floats (`check`); `acc` `T`
+        // vectors; vectors `j < nch`.
         unsafe {
             // Held in registers for the tile: the loop has no calls.
             let mut r = [s.zero(); MAX_NCH];
@@ -287,7 +288,7 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool>(
             }
             if sum {
                 unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
-                    s.store(rp.add(j * S::L), r[j]);
+                    s.store(op.add(j * S::L), r[j]);
                 });
             }
         }
@@ -385,19 +386,10 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
     let scaled = cpg.is_multiple_of(S::L) && cpg.is_power_of_two();
     let gshift = cpg.trailing_zeros();
     let gpr = hd / cpg;
-    // One query at a compile-time head dim with whole-vector groups: rows
-    // straight into registers, the query (scores) or the output (sum)
-    // held there for the whole head.
-    let one = nq == 1 && HD > 0 && scaled && nch <= MAX_NCH;
-    // Vector-major: vector `j` of token `tt` at `(j·T + tt)·L`.
-    let mut scr = Buf::new(if one { 0 } else { S::T * hd });
-    let scr = scr.m().as_mut_ptr();
-    let stride = S::T * S::L;
     // The tile's f16 scales widened at once (`L` per load): the per-group
     // reads cost more than the row's decode otherwise. A tile at a time,
     // so the widening reads only bytes the prefetch asked for.
     let f16 = l.scheme().scale_format() == crate::scheme::ScaleFormat::F16 && !l.shared_params();
-    let mut scales = vec![0f32; S::T * gpr];
     // Decode streams the cache from DRAM: each token asks for the codes
     // and params `PREFETCH_TOKENS` ahead (the hardware prefetchers stop at
     // page boundaries), as the uniform tiles do.
@@ -407,6 +399,10 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
     } else {
         gpr * l.scheme().param_bytes()
     };
+    // One query at a compile-time head dim with whole-vector groups: rows
+    // straight into registers, the query (scores) or the output (sum)
+    // held there for the whole head.
+    let one = nq == 1 && HD > 0 && scaled && nch <= MAX_NCH;
     if one {
         let c = (f16, gshift, pb);
         // SAFETY: the caller's contract; `one` adds one query, whole-vector
@@ -425,6 +421,11 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
         }
         return;
     }
+    // Vector-major: vector `j` of token `tt` at `(j·T + tt)·L`.
+    let mut scr = Buf::new(S::T * hd);
+    let scr = scr.m().as_mut_ptr();
+    let stride = S::T * S::L;
+    let mut scales = vec![0f32; S::T * gpr];
     let mut t0 = 0;
     while t0 < tokens {
         let n = S::T.min(tokens - t0);
