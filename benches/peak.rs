@@ -28,7 +28,10 @@ mod zmm {
                 *v = _mm512_fmadd_ps(*v, b, c);
             }
         }
-        _mm512_reduce_add_ps(a.iter().fold(_mm512_setzero_ps(), |s, v| _mm512_add_ps(s, *v)))
+        _mm512_reduce_add_ps(
+            a.iter()
+                .fold(_mm512_setzero_ps(), |s, v| _mm512_add_ps(s, *v)),
+        )
     }
 
     /// `n` rounds of twelve dependent-per-chain `vpermps`.
@@ -43,7 +46,9 @@ mod zmm {
                 *v = _mm512_castps_si512(_mm512_permutexvar_ps(*v, _mm512_castsi512_ps(*v)));
             }
         }
-        let s = a.iter().fold(_mm512_setzero_si512(), |s, v| _mm512_add_epi32(s, *v));
+        let s = a
+            .iter()
+            .fold(_mm512_setzero_si512(), |s, v| _mm512_add_epi32(s, *v));
         _mm512_reduce_add_epi32(s) as f32
     }
 }
