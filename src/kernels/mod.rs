@@ -144,6 +144,7 @@ pub(crate) mod portable;
 pub(crate) mod rope;
 mod scores;
 mod softmax;
+pub(crate) mod sparse;
 mod weighted_sum;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_64;

@@ -24,6 +24,7 @@ use half::f16;
 
 use super::codec::{Codec, KvCodec, Pending};
 use crate::error::{Error, Result};
+use crate::kernels::sparse::{rows_axpy_on, transpose_on, Mat};
 use crate::scheme::{Axis, Layout, Mode, OUTLIER_BYTES};
 use crate::simd::{Backend, Kernel};
 use crate::store::PackedHead;
@@ -531,11 +532,11 @@ pub(crate) fn add_to_rows(head: &PackedHead<'_>, out: &mut [f32]) {
 
 /// `out[i·T + t] += q_i[c]·correction` for each entry: the scores' part
 /// the grid does not hold.
-pub(crate) fn add_scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
+pub(crate) fn add_scores(backend: Backend, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
     match q.len() / hd {
         1 => for_each(head, |t, c, r| out[t] += q[c] * r),
-        nq if nq >= WIDE_QUERIES => wide_pass(head, (q, hd), (out, t_all), nq, |t, c| (t, c)),
+        nq if nq >= WIDE_QUERIES => wide_scores(backend, head, q, out, nq),
         nq => {
             // Entry by entry, each entry into every query: a few rows of
             // scores a row of tokens apart share an L1 set without
@@ -556,64 +557,118 @@ pub(crate) fn add_scores(head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
 /// holds 8 (Zen 4) or 12 (Zen 5) lines.
 const WIDE_QUERIES: usize = 9;
 
-/// The post-pass of `nq ≥ WIDE_QUERIES` queries: `x` (`nq` rows of `xc`:
-/// the queries, or the weights) transposed so each entry multiplies `nq`
-/// contiguous floats, the products summed into `oc` rows of `nq` (tokens
-/// for scores, channels for the weighted sum), then added transposed into
-/// `out` (`nq` rows of `oc`). `pick(token, channel)` gives an entry's
-/// (sum row, row of the transposed `x`).
-fn wide_pass(
-    head: &PackedHead<'_>,
-    (x, xc): (&[f32], usize),
-    (out, oc): (&mut [f32], usize),
-    nq: usize,
-    pick: impl Fn(usize, usize) -> (usize, usize),
-) {
-    let mut xt = vec![0f32; xc * nq];
-    transpose_into(x, nq, xc, &mut xt);
-    let mut acc = vec![0f32; oc * nq];
-    for_each(head, |t, c, r| {
-        let (o, i) = pick(t, c);
-        let a = &mut acc[o * nq..(o + 1) * nq];
-        for (a, &v) in a.iter_mut().zip(&xt[i * nq..(i + 1) * nq]) {
-            *a += v * r;
-        }
-    });
-    add_transposed(&acc, oc, nq, out);
-}
+/// Tokens per tile of the wide post-passes: a tile's `nq` floats per token
+/// (sums or transposed weights) stay in L1 beside the transposed queries
+/// or the channel sums, where whole-head buffers (`nq` floats per token of
+/// a long prompt) took more time zeroing and faulting in than summing.
+const WIDE_TILE: usize = 64;
 
-/// `dst[j·rows + i] = src[i·cols + j]` for `src` of `rows × cols`, in
-/// blocks of 16 columns so each source line is read once.
-fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
-    for j0 in (0..cols).step_by(16) {
-        let j1 = (j0 + 16).min(cols);
-        for i in 0..rows {
-            for (j, &v) in (j0..j1).zip(&src[i * cols + j0..i * cols + j1]) {
-                dst[j * rows + i] = v;
+/// Floats per row of the padded buffer through which a tile passes
+/// between the `nq` rows of `T` floats of the scores or weights and its
+/// transposed form. Those rows lie a multiple of 4 KiB apart whenever `T`
+/// is one of 1024 floats (a page, a chunk of prefill), i.e. in one L1 set:
+/// transposed straight into or out of them, 16 rows at a time, a tile took
+/// about twice as long as a transpose through this buffer and one row at a
+/// time to or from them.
+const STAGE_LD: usize = WIDE_TILE + 16;
+
+/// Calls `f(t0, entries)` once per tile of `WIDE_TILE` tokens from `t0`
+/// that holds entries, with the tile's entries as `(token − t0, channel,
+/// correction)`. (Entries come in token order, so each tile is visited
+/// once; any order would still give the same sums.)
+fn by_tile(head: &PackedHead<'_>, mut f: impl FnMut(usize, &[(u32, u32, f32)])) {
+    let mut tile: Option<usize> = None;
+    let mut batch = Vec::new();
+    for_each(head, |t, c, r| {
+        let t0 = t / WIDE_TILE * WIDE_TILE;
+        if tile != Some(t0) {
+            if let Some(p0) = tile {
+                f(p0, &batch);
+                batch.clear();
             }
+            tile = Some(t0);
         }
+        // Token in tile < WIDE_TILE and channel < head_dim ≤ 2^16.
+        batch.push(((t - t0) as u32, c as u32, r));
+    });
+    if let Some(p0) = tile {
+        f(p0, &batch);
     }
 }
 
-/// `out[i·cols + j] += acc[j·rows + i]` for `out` of `rows × cols`, in
-/// blocks of 16 columns.
-fn add_transposed(acc: &[f32], cols: usize, rows: usize, out: &mut [f32]) {
-    for j0 in (0..cols).step_by(16) {
-        let j1 = (j0 + 16).min(cols);
-        for i in 0..rows {
-            for (j, o) in (j0..j1).zip(&mut out[i * cols + j0..i * cols + j1]) {
-                *o += acc[j * rows + i];
-            }
+/// The scores' post-pass of `nq ≥ WIDE_QUERIES` queries: the queries
+/// transposed (`hd` rows of `nq`), each entry's `correction·q[.., c]`
+/// summed into its token's row of a tile, and each tile's rows added
+/// transposed into `out` (`nq` rows of `T`).
+fn wide_scores(backend: Backend, head: &PackedHead<'_>, q: &[f32], out: &mut [f32], nq: usize) {
+    let (hd, t_all) = (head.layout.head_dim(), head.tokens);
+    let mut qt = vec![0f32; hd * nq];
+    let all = Mat {
+        rows: nq,
+        cols: hd,
+        ld: hd,
+    };
+    transpose_on(backend, (q, all), (&mut qt, nq), false);
+    let mut acc = vec![0f32; WIDE_TILE * nq];
+    let mut stage = vec![0f32; nq * STAGE_LD];
+    by_tile(head, |t0, entries| {
+        let n = WIDE_TILE.min(t_all - t0);
+        acc[..n * nq].fill(0.0);
+        rows_axpy_on(backend, entries, false, (&qt, nq), &mut acc);
+        let m = Mat {
+            rows: n,
+            cols: nq,
+            ld: nq,
+        };
+        transpose_on(backend, (&acc, m), (&mut stage, STAGE_LD), false);
+        for (i, row) in stage.chunks_exact(STAGE_LD).enumerate() {
+            let o = &mut out[i * t_all + t0..i * t_all + t0 + n];
+            o.iter_mut().zip(row).for_each(|(o, x)| *o += x);
         }
+    });
+}
+
+/// The weighted sum's post-pass of `nq ≥ WIDE_QUERIES` queries: the
+/// weights of each tile that holds entries transposed (a row of `nq` per
+/// token), each entry's `correction·p[.., t]` summed into its channel's
+/// row (`hd` rows of `nq`), and the sums added transposed into `out` (`nq`
+/// rows of `hd`).
+fn wide_weighted(backend: Backend, head: &PackedHead<'_>, p: &[f32], out: &mut [f32], nq: usize) {
+    let (hd, t_all) = (head.layout.head_dim(), head.tokens);
+    let mut pt = vec![0f32; WIDE_TILE * nq];
+    let mut stage = vec![0f32; nq * STAGE_LD];
+    let mut acc = vec![0f32; hd * nq];
+    let mut any = false;
+    by_tile(head, |t0, entries| {
+        let n = WIDE_TILE.min(t_all - t0);
+        for (i, row) in stage.chunks_exact_mut(STAGE_LD).enumerate() {
+            row[..n].copy_from_slice(&p[i * t_all + t0..i * t_all + t0 + n]);
+        }
+        let m = Mat {
+            rows: nq,
+            cols: n,
+            ld: STAGE_LD,
+        };
+        transpose_on(backend, (&stage, m), (&mut pt, nq), false);
+        rows_axpy_on(backend, entries, true, (&pt, nq), &mut acc);
+        any = true;
+    });
+    if any {
+        let m = Mat {
+            rows: hd,
+            cols: nq,
+            ld: nq,
+        };
+        transpose_on(backend, (&acc, m), (out, hd), true);
     }
 }
 
 /// `out[i·hd + c] += p[i·T + t]·correction` for each entry.
-pub(crate) fn add_weighted(head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
+pub(crate) fn add_weighted(backend: Backend, head: &PackedHead<'_>, p: &[f32], out: &mut [f32]) {
     let (hd, t_all) = (head.layout.head_dim(), head.tokens);
     match out.len() / hd {
         1 => for_each(head, |t, c, r| out[c] += p[t] * r),
-        nq if nq >= WIDE_QUERIES => wide_pass(head, (p, t_all), (out, hd), nq, |t, c| (c, t)),
+        nq if nq >= WIDE_QUERIES => wide_weighted(backend, head, p, out, nq),
         nq => {
             // Entry by entry, as in `add_scores`.
             for_each(head, |t, c, r| {
@@ -807,7 +862,7 @@ impl<C: KvCodec> KvCodec for Sparse<C> {
         out: &mut [f32],
     ) -> Result<()> {
         self.inner.scores(backend, &head.grid(), q, out)?;
-        add_scores(head, q, out);
+        add_scores(backend, head, q, out);
         Ok(())
     }
 
@@ -819,7 +874,7 @@ impl<C: KvCodec> KvCodec for Sparse<C> {
         out: &mut [f32],
     ) -> Result<()> {
         self.inner.weighted_sum(backend, &head.grid(), p, out)?;
-        add_weighted(head, p, out);
+        add_weighted(backend, head, p, out);
         Ok(())
     }
 

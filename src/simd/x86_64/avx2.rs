@@ -319,6 +319,32 @@ unsafe impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    fn transpose(self, a: &mut [__m256; 16]) {
+        // As the AVX-512 one, with two 128-bit halves: after the second
+        // level `u[4k + j]` holds, in half `h`, column `4h + j` of rows
+        // `4k..4k + 4`.
+        // SAFETY: AVX.
+        unsafe {
+            let mut t = [_mm256_setzero_ps(); 8];
+            for k in 0..4 {
+                t[2 * k] = _mm256_unpacklo_ps(a[2 * k], a[2 * k + 1]);
+                t[2 * k + 1] = _mm256_unpackhi_ps(a[2 * k], a[2 * k + 1]);
+            }
+            let mut u = [_mm256_setzero_ps(); 8];
+            for k in 0..2 {
+                let (b, c) = (4 * k, 4 * k + 2);
+                u[b] = _mm256_shuffle_ps::<0b01_00_01_00>(t[b], t[c]);
+                u[b + 1] = _mm256_shuffle_ps::<0b11_10_11_10>(t[b], t[c]);
+                u[b + 2] = _mm256_shuffle_ps::<0b01_00_01_00>(t[b + 1], t[c + 1]);
+                u[b + 3] = _mm256_shuffle_ps::<0b11_10_11_10>(t[b + 1], t[c + 1]);
+            }
+            for j in 0..4 {
+                a[j] = _mm256_permute2f128_ps::<0x20>(u[j], u[4 + j]);
+                a[4 + j] = _mm256_permute2f128_ps::<0x31>(u[j], u[4 + j]);
+            }
+        }
+    }
+    #[inline(always)]
     fn hsum(self, a: __m256) -> f32 {
         // SAFETY: AVX and SSE3.
         unsafe {

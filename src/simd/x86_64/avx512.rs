@@ -329,6 +329,39 @@ unsafe impl Simd for Avx512 {
         }
     }
     #[inline(always)]
+    fn transpose(self, a: &mut [__m512; 16]) {
+        // Four levels of two-source shuffles, 64 in all. After the second,
+        // `u[4k + j]` holds, in its 128-bit quarter `q`, column `4q + j` of
+        // rows `4k..4k + 4`; the last two gather quarter `q` of
+        // `u[j], u[4 + j], u[8 + j], u[12 + j]` into row `4q + j`.
+        // SAFETY: AVX-512F.
+        unsafe {
+            let mut t = [_mm512_setzero_ps(); 16];
+            for k in 0..8 {
+                t[2 * k] = _mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]);
+                t[2 * k + 1] = _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]);
+            }
+            let mut u = [_mm512_setzero_ps(); 16];
+            for k in 0..4 {
+                let (b, c) = (4 * k, 4 * k + 2);
+                u[b] = _mm512_shuffle_ps::<0b01_00_01_00>(t[b], t[c]);
+                u[b + 1] = _mm512_shuffle_ps::<0b11_10_11_10>(t[b], t[c]);
+                u[b + 2] = _mm512_shuffle_ps::<0b01_00_01_00>(t[b + 1], t[c + 1]);
+                u[b + 3] = _mm512_shuffle_ps::<0b11_10_11_10>(t[b + 1], t[c + 1]);
+            }
+            for j in 0..4 {
+                let v0 = _mm512_shuffle_f32x4::<0b10_00_10_00>(u[j], u[4 + j]);
+                let v1 = _mm512_shuffle_f32x4::<0b11_01_11_01>(u[j], u[4 + j]);
+                let w0 = _mm512_shuffle_f32x4::<0b10_00_10_00>(u[8 + j], u[12 + j]);
+                let w1 = _mm512_shuffle_f32x4::<0b11_01_11_01>(u[8 + j], u[12 + j]);
+                a[j] = _mm512_shuffle_f32x4::<0b10_00_10_00>(v0, w0);
+                a[4 + j] = _mm512_shuffle_f32x4::<0b10_00_10_00>(v1, w1);
+                a[8 + j] = _mm512_shuffle_f32x4::<0b11_01_11_01>(v0, w0);
+                a[12 + j] = _mm512_shuffle_f32x4::<0b11_01_11_01>(v1, w1);
+            }
+        }
+    }
+    #[inline(always)]
     fn hsum(self, a: __m512) -> f32 {
         // SAFETY: AVX-512F.
         unsafe { _mm512_reduce_add_ps(a) }

@@ -186,6 +186,9 @@ pub(crate) unsafe trait Simd: Copy {
     /// Lane `t` (for `t < T`) of the result is the sum of all lanes of
     /// `acc[t]`; `acc[T..]` are ignored.
     fn reduce(self, acc: &[Self::F; 16]) -> Self::F;
+    /// Transposes the `L × L` block in `a[..L]`: lane `j` of `a[i]` moves
+    /// to lane `i` of `a[j]`; `a[L..]` are left as they are.
+    fn transpose(self, a: &mut [Self::F; 16]);
     /// The sum of all lanes.
     fn hsum(self, a: Self::F) -> f32;
 

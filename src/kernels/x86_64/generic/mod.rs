@@ -70,6 +70,7 @@ mod prefetch;
 mod rope;
 mod scores;
 mod softmax;
+mod sparse;
 mod unpack;
 mod weighted_sum;
 
@@ -80,5 +81,6 @@ pub(crate) use prefetch::*;
 pub(crate) use rope::*;
 pub(crate) use scores::*;
 pub(crate) use softmax::*;
+pub(crate) use sparse::*;
 pub(crate) use unpack::*;
 pub(crate) use weighted_sum::*;
