@@ -361,6 +361,44 @@ pub(crate) unsafe fn expand_scales_f16<S: Simd>(
     *z = s.add(*z, s.add(s.add(zt[0], zt[1]), s.add(zt[2], zt[3])));
 }
 
+/// [`expand_scales`] for several queries, straight from `f16` params: row
+/// `t` of `w` gets token `t`'s scales permuted to the vectors by `ix.0`,
+/// row `t` of `zr` its zeros (lanes picked by `ix.1`) times the per-vector
+/// factors `f`. Token `t`'s `vals` numbers start at `src + 2·t·vals` and
+/// are read as one vector. Reading the widened copy instead, each token's
+/// vector straddled two of the copy's stores, a stall on store-to-load
+/// forwarding per token.
+///
+/// # Safety
+/// `src` valid for `2·((n−1)·vals + L)` bytes; `w` and `zr` hold `n ≤ T`
+/// rows of `ne ≤ 2·L`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) unsafe fn expand_params_f16<S: Simd>(
+    s: S,
+    src: *const u8,
+    vals: usize,
+    n: usize,
+    (ix, iz): ([S::I; 2], [S::I; 2]),
+    f: [S::F; 2],
+    ne: usize,
+    (w, zr): (*mut f32, *mut f32),
+) {
+    for t in 0..n {
+        // SAFETY: the caller's contract; row `t < n`.
+        unsafe {
+            let v = s.load_f16(src.add(2 * t * vals));
+            let (r, q) = (w.add(t * ne), zr.add(t * ne));
+            s.store(r, s.permute(v, ix[0]));
+            s.store(q, s.mul(s.permute(v, iz[0]), f[0]));
+            if ne > S::L {
+                s.store(r.add(S::L), s.permute(v, ix[1]));
+                s.store(q.add(S::L), s.mul(s.permute(v, iz[1]), f[1]));
+            }
+        }
+    }
+}
+
 /// `z[c] += Σ_t pi[t]·zero_tc` for the `gch` zero vectors of a tile, in
 /// four independent chains.
 ///
@@ -527,7 +565,27 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     tp.spread = true;
     // One query with `f16` params whose scales and zeros fit one vector:
     // weights straight from the stored params ([`expand_scales_f16`]).
-    let direct = !fold && perm && tp.p.fmt == ScaleFormat::F16 && (tp.p.sym || 2 * gpr <= S::L);
+    let direct = perm && tp.p.fmt == ScaleFormat::F16 && (tp.p.sym || 2 * gpr <= S::L);
+    // Several queries, straight from the stored params: the zeros' lanes
+    // (`gpr..2·gpr`, or the scales' times `−half` when symmetric) and the
+    // zero factors `fz` times that `−half`. (Exact: powers of two.)
+    let (iz, fzd) = if tp.p.sym {
+        let k = s.splat(-tp.p.half);
+        (ix, [s.mul(fz[0], k), s.mul(fz[1], k)])
+    } else {
+        let mut iv = [[0i32; 16]; 2];
+        for (a, b) in iv.iter_mut().flatten().zip(idx.iter().flatten()) {
+            *a = b + gpr as i32;
+        }
+        // SAFETY: each index array holds 16 ≥ L lanes.
+        let iz = unsafe {
+            [
+                s.load_i(iv[0].as_ptr() as *const f32),
+                s.load_i(iv[1].as_ptr() as *const f32),
+            ]
+        };
+        (iz, fz)
+    };
     let mut tail = vec![0u8; 2 * (S::T * tp.vals + S::L)];
     // Two slots of `T` rows each: the next tile's weights are made before
     // the current tile's loop, so out-of-order execution overlaps their
@@ -559,10 +617,13 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                     tail.as_ptr()
                 };
                 // SAFETY: `src` holds `b` bytes (checked, or the copy of
-                // `2·n·vals + 2·L` bytes); `pw` `n ≤ T` weights; the slot
+                // `2·n·vals + 2·L` bytes); `pw` `n ≤ T` weights; the slots
                 // `T` rows of `ne ≤ 2·L`.
                 unsafe {
-                    expand_scales_f16(s, src, vals, pw.unwrap_or(&[]), ix, ne, w, &mut zacc[0])
+                    match pw {
+                        Some(pw) => expand_scales_f16(s, src, vals, pw, ix, ne, w, &mut zacc[0]),
+                        None => expand_params_f16(s, src, vals, n, (ix, iz), fzd, ne, (w, zr)),
+                    }
                 };
             } else {
                 tp.load(s, head, t0, n);
