@@ -219,9 +219,9 @@ fn every_scheme_every_backend() {
     }
 }
 
-/// Query counts one to five at head_dim 128: the fused per-token weighted
-/// sum takes one, two and four queries, the tile kernels three and five;
-/// each width, in whole and partial tiles.
+/// Query counts one to nine at head_dim 128: the fused per-token weighted
+/// sum takes one, two, four and eight queries, the tile kernels the
+/// others; each width, in whole and partial tiles.
 #[test]
 fn fused_sums_for_every_query_count() {
     let mut rng = Rng::new(0x5EED_0003);
@@ -235,7 +235,7 @@ fn fused_sums_for_every_query_count() {
                 ScaleFormat::F16,
             )
             .expect("a per-token scheme");
-            for nq in 1..=5 {
+            for nq in 1..=9 {
                 for tokens in [5, 40] {
                     run_case(&mut rng, s, 128, tokens, nq, Data::Uniform);
                 }

@@ -45,7 +45,7 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
         Axis::PerToken
             if const { HD > 0 }
                 && g.fast
-                && matches!(nq, 1 | 2 | 4)
+                && matches!(nq, 1 | 2 | 4 | 8)
                 && g.nch <= MAX_NCH
                 && (B != 3 || t3.is_some())
                 && (!matches!(B, 2 | 4) || {
@@ -55,7 +55,8 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                     match nq {
                         1 => byte_vectors::<S, B, 1>(g, fmt),
                         2 => byte_vectors::<S, B, 2>(g, fmt),
-                        _ => byte_vectors::<S, B, 4>(g, fmt),
+                        4 => byte_vectors::<S, B, 4>(g, fmt),
+                        _ => byte_vectors::<S, B, 8>(g, fmt),
                     }
                 })
                 && head.layout().channels_per_group().is_multiple_of(S::L) =>
@@ -68,15 +69,19 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                 match (nq, t3) {
                     (1, Some(t3)) => fused_sum_pt::<S, 8, 1>(s, g, head, &mut tp, p, a, Some(t3)),
                     (2, Some(t3)) => fused_sum_pt::<S, 8, 2>(s, g, head, &mut tp, p, a, Some(t3)),
-                    (_, Some(t3)) => fused_sum_pt::<S, 8, 4>(s, g, head, &mut tp, p, a, Some(t3)),
+                    (4, Some(t3)) => fused_sum_pt::<S, 8, 4>(s, g, head, &mut tp, p, a, Some(t3)),
+                    (_, Some(t3)) => fused_sum_pt::<S, 8, 8>(s, g, head, &mut tp, p, a, Some(t3)),
                     (1, None) if const { B != 3 } => {
                         fused_sum_pt::<S, B, 1>(s, g, head, &mut tp, p, a, None)
                     }
                     (2, None) if const { B != 3 } => {
                         fused_sum_pt::<S, B, 2>(s, g, head, &mut tp, p, a, None)
                     }
-                    (_, None) if const { B != 3 } => {
+                    (4, None) if const { B != 3 } => {
                         fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, a, None)
+                    }
+                    (_, None) if const { B != 3 } => {
+                        fused_sum_pt::<S, B, 8>(s, g, head, &mut tp, p, a, None)
                     }
                     (_, None) => unreachable!("the arm's guard holds a 3-bit tile"),
                 }
@@ -470,6 +475,9 @@ fn byte_vectors<S: Simd, const B: u8, const NQ: usize>(g: Geo, fmt: ScaleFormat)
         && h.is_multiple_of(bb)
         && bb * nf <= 16
         && bb <= 8
+        // Eight queries: only where the accumulators fit half the
+        // register file (4-bit on AVX-512), not 2-bit's 32 of them.
+        && (NQ < 8 || NQ * nf * bb <= S::REGS / 2)
         && fmt == ScaleFormat::F16
 }
 
@@ -689,7 +697,7 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 let mut jj0 = 0;
                 while jj0 < h {
                     let mut a = [[s.zero(); 16]; NQ];
-                    unroll!(4; i in 0, NQ => {
+                    unroll!(cap = NQ; i in 0, NQ => {
                         unroll!(4; f in 0, nf => {
                             unroll!(8; k in 0, bb => {
                                 let o = i * hdp + (jj0 + k + f * h) * S::L;
@@ -707,7 +715,7 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         let zr = zt.add(tt * ne + jj0);
                         let mut pb = [s.zero(); NQ];
                         if fold {
-                            unroll!(4; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                            unroll!(cap = NQ; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
                         }
                         // One widening per byte vector; field `f` (vector
                         // `jj + f·h`) is `v_f − v_{f−1}` of the masked
@@ -725,7 +733,7 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                                 if fold {
                                     let zf = s.bcast(zr.add(f * h + k));
                                     let xf = s.fma(x[f], wf, zf);
-                                    unroll!(4; i in 0, NQ => {
+                                    unroll!(cap = NQ; i in 0, NQ => {
                                         a[i][f * fs + k] = s.fma(xf, pb[i], a[i][f * fs + k]);
                                     });
                                 } else {
@@ -734,7 +742,7 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                             });
                         });
                     }
-                    unroll!(4; i in 0, NQ => {
+                    unroll!(cap = NQ; i in 0, NQ => {
                         unroll!(4; f in 0, nf => {
                             unroll!(8; k in 0, bb => {
                                 let o = i * hdp + (jj0 + k + f * h) * S::L;
@@ -749,7 +757,7 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 while j0 < nch {
                     let j1 = (j0 + jb).min(nch);
                     let mut a = [[s.zero(); 16]; NQ];
-                    unroll!(4; i in 0, NQ => {
+                    unroll!(cap = NQ; i in 0, NQ => {
                         unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
                             a[i][j - j0] = s.load(acc.as_ptr().add(i * hdp + j * S::L));
                         });
@@ -764,13 +772,13 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         let zr = zt.add(tt * ne);
                         let mut pb = [s.zero(); NQ];
                         if fold {
-                            unroll!(4; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                            unroll!(cap = NQ; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
                         }
                         unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
                             let x = codes_f32::<S, B>(s, row, g.hd, j);
                             if fold {
                                 let x = s.fma(x, s.bcast(w.add(j)), s.bcast(zr.add(j)));
-                                unroll!(4; i in 0, NQ => {
+                                unroll!(cap = NQ; i in 0, NQ => {
                                     a[i][j - j0] = s.fma(x, pb[i], a[i][j - j0]);
                                 });
                             } else {
@@ -778,7 +786,7 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                             }
                         });
                     }
-                    unroll!(4; i in 0, NQ => {
+                    unroll!(cap = NQ; i in 0, NQ => {
                         unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
                             s.store(acc.as_mut_ptr().add(i * hdp + j * S::L), a[i][j - j0]);
                         });
