@@ -45,7 +45,7 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
         Axis::PerToken
             if const { HD > 0 }
                 && g.fast
-                && matches!(nq, 1 | 2 | 4 | 8)
+                && matches!(nq, 1 | 2 | 3 | 4 | 8)
                 && g.nch <= MAX_NCH
                 && (B != 3 || t3.is_some())
                 && (!matches!(B, 2 | 4) || {
@@ -55,6 +55,7 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                     match nq {
                         1 => byte_vectors::<S, B, 1>(g, fmt),
                         2 => byte_vectors::<S, B, 2>(g, fmt),
+                        3 => byte_vectors::<S, B, 3>(g, fmt),
                         4 => byte_vectors::<S, B, 4>(g, fmt),
                         _ => byte_vectors::<S, B, 8>(g, fmt),
                     }
@@ -69,6 +70,7 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                 match (nq, t3) {
                     (1, Some(t3)) => fused_sum_pt::<S, 8, 1>(s, g, head, &mut tp, p, a, Some(t3)),
                     (2, Some(t3)) => fused_sum_pt::<S, 8, 2>(s, g, head, &mut tp, p, a, Some(t3)),
+                    (3, Some(t3)) => fused_sum_pt::<S, 8, 3>(s, g, head, &mut tp, p, a, Some(t3)),
                     (4, Some(t3)) => fused_sum_pt::<S, 8, 4>(s, g, head, &mut tp, p, a, Some(t3)),
                     (_, Some(t3)) => fused_sum_pt::<S, 8, 8>(s, g, head, &mut tp, p, a, Some(t3)),
                     (1, None) if const { B != 3 } => {
@@ -76,6 +78,9 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                     }
                     (2, None) if const { B != 3 } => {
                         fused_sum_pt::<S, B, 2>(s, g, head, &mut tp, p, a, None)
+                    }
+                    (3, None) if const { B != 3 } => {
+                        fused_sum_pt::<S, B, 3>(s, g, head, &mut tp, p, a, None)
                     }
                     (4, None) if const { B != 3 } => {
                         fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, a, None)
