@@ -220,8 +220,8 @@ fn every_scheme_every_backend() {
 }
 
 /// Query counts one to nine at head_dim 128: the fused per-token weighted
-/// sum takes one to four and eight queries, the tile kernels the others;
-/// each width, in whole and partial tiles.
+/// sum takes one to four and eight queries (4-bit rows one to eight), the
+/// tile kernels the others; each width, in whole and partial tiles.
 #[test]
 fn fused_sums_for_every_query_count() {
     let mut rng = Rng::new(0x5EED_0003);

@@ -45,7 +45,7 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
         Axis::PerToken
             if const { HD > 0 }
                 && g.fast
-                && matches!(nq, 1 | 2 | 3 | 4 | 8)
+                && (matches!(nq, 1..=4 | 8) || (B == 4 && nq <= 8))
                 && g.nch <= MAX_NCH
                 && (B != 3 || t3.is_some())
                 && (!matches!(B, 2 | 4) || {
@@ -57,6 +57,9 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                         2 => byte_vectors::<S, B, 2>(g, fmt),
                         3 => byte_vectors::<S, B, 3>(g, fmt),
                         4 => byte_vectors::<S, B, 4>(g, fmt),
+                        5 => byte_vectors::<S, B, 5>(g, fmt),
+                        6 => byte_vectors::<S, B, 6>(g, fmt),
+                        7 => byte_vectors::<S, B, 7>(g, fmt),
                         _ => byte_vectors::<S, B, 8>(g, fmt),
                     }
                 })
@@ -84,6 +87,15 @@ pub(crate) unsafe fn weighted_sum<S: Simd, const B: u8, const HD: usize>(
                     }
                     (4, None) if const { B != 3 } => {
                         fused_sum_pt::<S, B, 4>(s, g, head, &mut tp, p, a, None)
+                    }
+                    (5, None) if const { B == 4 } => {
+                        fused_sum_pt::<S, B, 5>(s, g, head, &mut tp, p, a, None)
+                    }
+                    (6, None) if const { B == 4 } => {
+                        fused_sum_pt::<S, B, 6>(s, g, head, &mut tp, p, a, None)
+                    }
+                    (7, None) if const { B == 4 } => {
+                        fused_sum_pt::<S, B, 7>(s, g, head, &mut tp, p, a, None)
                     }
                     (_, None) if const { B != 3 } => {
                         fused_sum_pt::<S, B, 8>(s, g, head, &mut tp, p, a, None)
@@ -480,9 +492,9 @@ fn byte_vectors<S: Simd, const B: u8, const NQ: usize>(g: Geo, fmt: ScaleFormat)
         && h.is_multiple_of(bb)
         && bb * nf <= 16
         && bb <= 8
-        // Eight queries: only where the accumulators fit half the
-        // register file (4-bit on AVX-512), not 2-bit's 32 of them.
-        && (NQ < 8 || NQ * nf * bb <= S::REGS / 2)
+        // Five to eight queries: only where the accumulators fit half
+        // the register file (4-bit on AVX-512), not 2-bit's 20 to 32.
+        && (NQ <= 4 || NQ * nf * bb <= S::REGS / 2)
         && fmt == ScaleFormat::F16
 }
 
