@@ -558,9 +558,8 @@ pub(crate) fn add_scores(backend: Backend, head: &PackedHead<'_>, q: &[f32], out
 const WIDE_QUERIES: usize = 9;
 
 /// Tokens per tile of the wide post-passes: a tile's `nq` floats per token
-/// (sums or transposed weights) stay in L1 beside the transposed queries
-/// or the channel sums, where whole-head buffers (`nq` floats per token of
-/// a long prompt) took more time zeroing and faulting in than summing.
+/// (sums or transposed weights) and its padded copy stay in L1 beside the
+/// transposed queries or the channel sums, for any prompt length.
 const WIDE_TILE: usize = 64;
 
 /// Floats per row of the padded buffer through which a tile passes

@@ -588,8 +588,9 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     // SAFETY: `fzv` holds `MAX_NCH` = 32 ≥ 2·L floats.
     let fz = unsafe { [s.load(fzv.as_ptr()), s.load(fzv.as_ptr().add(S::L))] };
     tp.spread = true;
-    // One query with `f16` params whose scales and zeros fit one vector:
-    // weights straight from the stored params ([`expand_scales_f16`]).
+    // `f16` params whose scales and zeros fit one vector: one query's
+    // weights ([`expand_scales_f16`]) or several queries' scales and zeros
+    // ([`expand_params_f16`]) straight from the stored params.
     let direct = perm && tp.p.fmt == ScaleFormat::F16 && (tp.p.sym || 2 * gpr <= S::L);
     // Several queries, straight from the stored params: the zeros' lanes
     // (`gpr..2·gpr`, or the scales' times `−half` when symmetric) and the
