@@ -71,34 +71,42 @@ impl Kernel for Transpose<'_> {
     type Output = ();
 
     fn portable(self) {
-        let Transpose {
-            src,
+        let m = self.m;
+        scalar(
+            self.src,
             m,
-            dst,
-            ldd,
-            add,
-        } = self;
-        scalar(src, m, (0, m.rows), (0, m.cols), (dst, ldd), add);
+            (0, m.rows),
+            (0, m.cols),
+            (self.dst, self.ldd),
+            self.add,
+        );
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn simd<S: super::x86_64::Simd>(self, s: S) {
-        let Transpose {
-            src,
-            m,
-            dst,
-            ldd,
-            add,
-        } = self;
+        let (m, ldd, add) = (self.m, self.ldd, self.add);
         let (rb, cb) = (m.rows / S::L * S::L, m.cols / S::L * S::L);
         // SAFETY: `transpose_on` checked both slices against the strides.
         unsafe {
-            super::x86_64::generic::transpose_blocks(s, (src, m.ld), (rb, cb), (dst, ldd), add)
+            super::x86_64::generic::transpose_blocks(
+                s,
+                (self.src, m.ld),
+                (rb, cb),
+                (&mut *self.dst, ldd),
+                add,
+            )
         };
         // The rows and columns past the last whole block.
-        scalar(src, m, (0, rb), (cb, m.cols), (dst, ldd), add);
-        scalar(src, m, (rb, m.rows), (0, m.cols), (dst, ldd), add);
+        scalar(
+            self.src,
+            m,
+            (0, rb),
+            (cb, m.cols),
+            (&mut *self.dst, ldd),
+            add,
+        );
+        scalar(self.src, m, (rb, m.rows), (0, m.cols), (self.dst, ldd), add);
     }
 }
 
@@ -165,32 +173,27 @@ impl Kernel for RowsAxpy<'_> {
     type Output = ();
 
     fn portable(self) {
-        let RowsAxpy {
-            updates,
-            swap,
-            src,
-            w,
-            dst,
-        } = self;
-        for &(a, b, r) in updates {
-            let (d, s) = if swap { (b, a) } else { (a, b) };
+        let w = self.w;
+        for &(a, b, r) in self.updates {
+            let (d, s) = if self.swap { (b, a) } else { (a, b) };
             let (d, s) = (d as usize * w, s as usize * w);
-            super::portable::axpy(r, &src[s..s + w], &mut dst[d..d + w]);
+            super::portable::axpy(r, &self.src[s..s + w], &mut self.dst[d..d + w]);
         }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn simd<S: super::x86_64::Simd>(self, s: S) {
-        let RowsAxpy {
-            updates,
-            swap,
-            src,
-            w,
-            dst,
-        } = self;
         // SAFETY: `rows_axpy_on` checked every row against both slices.
-        unsafe { super::x86_64::generic::rows_axpy(s, updates, swap, (src, w), dst) }
+        unsafe {
+            super::x86_64::generic::rows_axpy(
+                s,
+                self.updates,
+                self.swap,
+                (self.src, self.w),
+                self.dst,
+            )
+        }
     }
 }
 

@@ -565,16 +565,15 @@ const WIDE_TILE: usize = 64;
 /// Floats per row of the padded buffer through which a tile passes
 /// between the `nq` rows of `T` floats of the scores or weights and its
 /// transposed form. Those rows lie a multiple of 4 KiB apart whenever `T`
-/// is one of 1024 floats (a page, a chunk of prefill), i.e. in one L1 set:
-/// transposed straight into or out of them, 16 rows at a time, a tile took
-/// about twice as long as a transpose through this buffer and one row at a
-/// time to or from them.
+/// is one of 1024 floats (a page, a chunk of prefill), i.e. in one L1 set,
+/// which 16 rows taken at a time by the block transpose overflow; through
+/// this buffer the rows are read or written one at a time.
 const STAGE_LD: usize = WIDE_TILE + 16;
 
 /// Calls `f(t0, entries)` once per tile of `WIDE_TILE` tokens from `t0`
 /// that holds entries, with the tile's entries as `(token − t0, channel,
 /// correction)`. (Entries come in token order, so each tile is visited
-/// once; any order would still give the same sums.)
+/// once; another order would visit a tile again and still be correct.)
 fn by_tile(head: &PackedHead<'_>, mut f: impl FnMut(usize, &[(u32, u32, f32)])) {
     let mut tile: Option<usize> = None;
     let mut batch = Vec::new();
@@ -637,7 +636,6 @@ fn wide_weighted(backend: Backend, head: &PackedHead<'_>, p: &[f32], out: &mut [
     let mut pt = vec![0f32; WIDE_TILE * nq];
     let mut stage = vec![0f32; nq * STAGE_LD];
     let mut acc = vec![0f32; hd * nq];
-    let mut any = false;
     by_tile(head, |t0, entries| {
         let n = WIDE_TILE.min(t_all - t0);
         for (i, row) in stage.chunks_exact_mut(STAGE_LD).enumerate() {
@@ -650,16 +648,13 @@ fn wide_weighted(backend: Backend, head: &PackedHead<'_>, p: &[f32], out: &mut [
         };
         transpose_on(backend, (&stage, m), (&mut pt, nq), false);
         rows_axpy_on(backend, entries, true, (&pt, nq), &mut acc);
-        any = true;
     });
-    if any {
-        let m = Mat {
-            rows: hd,
-            cols: nq,
-            ld: nq,
-        };
-        transpose_on(backend, (&acc, m), (out, hd), true);
-    }
+    let m = Mat {
+        rows: hd,
+        cols: nq,
+        ld: nq,
+    };
+    transpose_on(backend, (&acc, m), (out, hd), true);
 }
 
 /// `out[i·hd + c] += p[i·T + t]·correction` for each entry.
