@@ -296,7 +296,13 @@ impl RopeTable {
     /// Add to `out[i·stride + t]` (queries `i < rows`, `q` `[rows, hd]`)
     /// each outlier entry's share of its key turned to position `p0 + t`:
     /// a value `r` at channel `c` of a pre-RoPE key scores
-    /// `q·R(p)·(r·e_c)`, two channels of the query.
+    /// `q·R(p)·(r·e_c) = r·(R(−p)·q)_c`, two channels of the query.
+    ///
+    /// With `p = hi + lo` (`hi` a multiple of 256), `R(−p)·q =
+    /// R(−lo)·(R(−hi)·q)`: the queries are turned back by `hi` once per
+    /// coarse row that holds entries, so an entry costs one fine-table lane
+    /// (`cos`, `sin`) and two channels of a turned query, rather than both
+    /// tables' lanes and their product.
     ///
     /// # Panics
     /// If the table does not cover the view's positions
@@ -312,51 +318,98 @@ impl RopeTable {
         out: &mut [f32],
         stride: usize,
     ) {
-        let (dims, lanes, adjacent) = (self.rope.dims, self.lanes(), self.adjacent());
-        let half = dims / 2;
-        let (hc, hs, lc, ls) = (
-            &self.hi.0[..],
-            &self.hi.1[..],
-            &self.lo.0[..],
-            &self.lo.1[..],
-        );
-        // Each entry as (token, channels a and b, their weights), then
-        // row by row: entry by entry, many rows' scores would lie a row
-        // of tokens apart, in the same L1 sets.
-        let mut ents: Vec<(u32, u32, u32, f32, f32)> = Vec::new();
+        let (dims, lanes) = (self.rope.dims, self.lanes());
+        let (lc, ls) = (&self.lo.0[..], &self.lo.1[..]);
+        // Per channel: the fine-table lane that holds its pair's `cos` and
+        // `+sin`, its partner and the partner's sign in `(R(−lo)·x)_c =
+        // x_c·cos + sign·x_partner·sin`. Unrotated channels have none.
+        let chan: Vec<(u32, u32, f32)> = (0..dims)
+            .map(|c| {
+                let (lane, partner, first) = if self.adjacent() {
+                    (c | 1, c ^ 1, c % 2 == 0)
+                } else if c < dims / 2 {
+                    (c, c + dims / 2, true)
+                } else {
+                    (c - dims / 2, c - dims / 2, false)
+                };
+                (lane as u32, partner as u32, if first { 1.0 } else { -1.0 })
+            })
+            .collect();
+        // One coarse row's entries as (token, channel, r·cos, r·sin), then
+        // row by row (entry by entry, many rows' scores would lie a row of
+        // tokens apart, in the same L1 sets); the turned queries as `(x_c,
+        // sign·x_partner)` per channel.
+        let mut ents: Vec<(u32, u32, f32, f32)> = Vec::new();
+        let mut turned = vec![(0f32, 0f32); hd];
+        let mut qb = vec![0f32; hd];
+        let mut flush = |k: usize, ents: &mut Vec<(u32, u32, f32, f32)>| {
+            for i in 0..rows {
+                let qi = &q[i * hd..(i + 1) * hd];
+                self.turn_back(qi, k, &chan, &mut qb, &mut turned);
+                let oi = &mut out[i * stride..];
+                for &(t, c, wc, ws) in ents.iter() {
+                    let (a, b) = turned[c as usize];
+                    oi[t as usize] += a * wc + b * ws;
+                }
+            }
+            ents.clear();
+        };
+        let mut row = None;
         crate::quant::outliers::for_each(view, |t, c, r| {
-            if c >= dims {
-                ents.push((t as u32, c as u32, c as u32, r, 0.0));
-                return;
-            }
-            let (pair, first) = if adjacent {
-                (c / 2, c.is_multiple_of(2))
-            } else if c < half {
-                (c, true)
-            } else {
-                (c - half, false)
-            };
-            // Adjacent pairs: the second channel's lane holds `+sin`.
-            let lane = if adjacent { 2 * pair + 1 } else { pair };
             let p = p0 + t;
-            let (h, l) = ((p / LO) * lanes + lane, (p % LO) * lanes + lane);
-            let (cos, sin) = (hc[h] * lc[l] - hs[h] * ls[l], hs[h] * lc[l] + hc[h] * ls[l]);
-            let (a, b) = if adjacent {
-                (2 * pair, 2 * pair + 1)
-            } else {
-                (pair, pair + half)
-            };
-            // The pair's first channel turns to (cos, sin), its second to
-            // (−sin, cos).
-            let (wa, wb) = if first { (cos, sin) } else { (-sin, cos) };
-            ents.push((t as u32, a as u32, b as u32, wa * r, wb * r));
-        });
-        for i in 0..rows {
-            let qi = &q[i * hd..(i + 1) * hd];
-            let oi = &mut out[i * stride..];
-            for &(t, a, b, wa, wb) in &ents {
-                oi[t as usize] += qi[a as usize] * wa + qi[b as usize] * wb;
+            let k = p / LO;
+            if row != Some(k) {
+                if let Some(k) = row {
+                    flush(k, &mut ents);
+                }
+                row = Some(k);
             }
+            let (wc, ws) = match chan.get(c) {
+                Some(&(lane, _, _)) => {
+                    let l = (p - k * LO) * lanes + lane as usize;
+                    (r * lc[l], r * ls[l])
+                }
+                // Beyond the rotary channels a key is not turned.
+                None => (r, 0.0),
+            };
+            ents.push((t as u32, c as u32, wc, ws));
+        });
+        if let Some(k) = row {
+            flush(k, &mut ents);
+        }
+    }
+
+    /// `out[c] = ((R(−hi)·q)_c, sign_c·(R(−hi)·q)_partner(c))` for the
+    /// coarse row `k` (`hi = k·256`), `chan` as in
+    /// [`add_outlier_scores`](Self::add_outlier_scores); channels beyond
+    /// it as `(q_c, 0)`. `qb` is scratch of `hd` floats.
+    fn turn_back(
+        &self,
+        q: &[f32],
+        k: usize,
+        chan: &[(u32, u32, f32)],
+        qb: &mut [f32],
+        out: &mut [(f32, f32)],
+    ) {
+        let lanes = self.lanes();
+        let (hc, hs) = (
+            &self.hi.0[k * lanes..(k + 1) * lanes],
+            &self.hi.1[k * lanes..(k + 1) * lanes],
+        );
+        // `(R(−hi)·q)_c = q_c·cos + sign·q_partner·sin`, as for `lo`.
+        for (c, b) in qb.iter_mut().enumerate() {
+            *b = match chan.get(c) {
+                Some(&(lane, partner, sign)) => {
+                    q[c] * hc[lane as usize] + sign * q[partner as usize] * hs[lane as usize]
+                }
+                None => q[c],
+            };
+        }
+        for (c, o) in out.iter_mut().enumerate() {
+            *o = match chan.get(c) {
+                Some(&(_, partner, sign)) => (qb[c], sign * qb[partner as usize]),
+                None => (qb[c], 0.0),
+            };
         }
     }
 
