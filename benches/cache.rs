@@ -32,6 +32,15 @@ fn schemes() -> Vec<(&'static str, QuantScheme, QuantScheme)> {
     ]
 }
 
+/// Lloyd-Max levels at `bits` on symmetric per-token groups of 32, rotated
+/// (as the paired bench's `cache 4b-H-gauss`).
+fn gauss(bits: u8) -> kvq::Codec {
+    let s = QuantScheme::new(bits, Axis::PerToken, Group::Size(32))
+        .and_then(|s| s.with_mode(kvq::Mode::Symmetric))
+        .expect("a valid scheme");
+    kvq::Codec::codebook(s, kvq::Levels::Gauss).with_rotation(kvq::Rotation::Hadamard)
+}
+
 fn append(c: &mut Criterion) {
     let (n_kv, hd, tokens) = (8, 128, 1024);
     let w = n_kv * hd;
@@ -42,8 +51,10 @@ fn append(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_millis(500));
     g.throughput(Throughput::Bytes((2 * tokens * w * 4) as u64));
-    // The schemes, and KIVI-4 with 1 % outliers in keys and values (the
-    // encoder picks and corrects them).
+    // The schemes, KIVI-4 with 1 % outliers in keys and values (the
+    // encoder picks and corrects them), and the codebooks: `iq4_nl`, and
+    // rotated Lloyd-Max levels at 4 and 3 bits (each group's scale chosen
+    // among several starts and refit).
     let (k4, v4) = presets::kivi(4).unwrap();
     let o = |s| kvq::Codec::from(s).with_outliers(0.01).unwrap();
     let cfgs = schemes()
@@ -54,6 +65,17 @@ fn append(c: &mut Criterion) {
             CacheConfig::new(n_kv, hd)
                 .key_codec(o(k4))
                 .value_codec(o(v4)),
+        )])
+        .chain([4, 3].map(|bits| {
+            let c = gauss(bits);
+            let name = if bits == 4 { "H-gauss4" } else { "H-gauss3" };
+            (name, CacheConfig::new(n_kv, hd).key_codec(c).value_codec(c))
+        }))
+        .chain([(
+            "iq4nl",
+            CacheConfig::new(n_kv, hd)
+                .key_codec(presets::iq4_nl())
+                .value_codec(presets::iq4_nl()),
         )]);
     for (name, cfg) in cfgs {
         let mut cache = LayerCache::new(cfg).unwrap();

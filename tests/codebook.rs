@@ -299,6 +299,47 @@ fn kernels_match_the_oracle_on_every_backend() {
     }
 }
 
+/// The encoder runs as a kernel compiled for each backend (its nearest-
+/// level search vectorized): every backend writes the portable bytes, for
+/// rows of many magnitudes and rows with zero groups.
+#[test]
+fn every_backend_encodes_the_portable_bytes() {
+    let mut rng = Rng::new(43);
+    let (n_kv, hd) = (2, 128);
+    for group in [Group::Size(32), Group::Head] {
+        for c in codecs(group) {
+            let codec = c.build(n_kv, hd).unwrap();
+            let l = *codec.layout();
+            let (rb, pb) = (l.row_bytes(), l.head_param_bytes(1));
+            for t in 0..21 {
+                let m = 10f32.powi(t as i32 % 7 - 3);
+                let mut row: Vec<f32> = (0..n_kv * hd).map(|_| rng.normal() * m).collect();
+                if t % 5 == 0 {
+                    row[..hd].fill(0.0);
+                }
+                let mut want = (vec![0u8; n_kv * rb], vec![0u8; n_kv * pb]);
+                codec
+                    .encode_token(
+                        Backend::Portable,
+                        &row,
+                        t,
+                        &mut want.0,
+                        &mut want.1,
+                        &mut [],
+                    )
+                    .unwrap();
+                for b in common::backends() {
+                    let mut got = (vec![0u8; n_kv * rb], vec![0u8; n_kv * pb]);
+                    codec
+                        .encode_token(b, &row, t, &mut got.0, &mut got.1, &mut [])
+                        .unwrap();
+                    assert!(got == want, "{} {}: token {t}", c.label(), b.name());
+                }
+            }
+        }
+    }
+}
+
 /// With one query at head_dim 128 the SIMD codebook kernels score each
 /// row in registers; with several, through the tile scratch. The one-query
 /// scores add in the scratch path's order, so a query's scores are the

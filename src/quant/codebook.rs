@@ -44,7 +44,7 @@ use super::fp8::{Fp8, E4M3, E5M2};
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::scheme::{Axis, Group, Layout, Mode, Rounding, ScaleFormat};
-use crate::simd::Backend;
+use crate::simd::{Backend, Kernel};
 use crate::store::PackedHead;
 
 /// The table of a codebook format (see the [module docs](self)).
@@ -296,31 +296,50 @@ impl Levels {
     }
 }
 
-/// The index of the level nearest to `x` in the ascending `t`, ties to the
-/// upper one (ggml's `best_index_int8`); the ends take everything beyond.
-#[inline]
+/// The index of the level nearest to `x` in the strictly ascending `t` (at
+/// least two levels), ties to the upper one (ggml's `best_index_int8`);
+/// the ends take everything beyond, NaN the last.
+///
+/// Branch-free, as [`nearest_scaled`]: the lower neighbour is the count
+/// of inner levels not above `x`, then one comparison picks it or the
+/// next — the index a binary search finds, without its unpredictable
+/// branches.
+#[inline(always)]
 pub(crate) fn nearest(t: &[f32], x: f32) -> u8 {
-    let n = t.len();
-    if x <= t[0] {
-        return 0;
-    }
-    if x >= t[n - 1] {
-        return (n - 1) as u8;
-    }
-    // Invariant: t[lo] <= x < t[hi].
-    let (mut lo, mut hi) = (0, n - 1);
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        if x < t[mid] {
-            hi = mid;
-        } else {
-            lo = mid;
+    let inner = &t[1..t.len() - 1];
+    let lo = inner
+        .iter()
+        .map(|&v| usize::from((x >= v) | x.is_nan()))
+        .sum::<usize>();
+    pick(t, x, lo)
+}
+
+/// `lo` or `lo + 1`, whichever level of `t` is nearer to `x` (ties and NaN
+/// to the upper one); `lo + 1 < t.len()`.
+#[inline(always)]
+fn pick(t: &[f32], x: f32, lo: usize) -> u8 {
+    // A flag added, not a branch: which way is as likely as not. (`|`
+    // rather than `||`, which may branch.)
+    lo as u8 + u8::from((x - t[lo] >= t[lo + 1] - x) | x.is_nan())
+}
+
+/// `codes[i] = nearest(t, x[i]·id)` for every `i`, a chunk of values at a
+/// time so the counts of inner levels below them vectorize.
+#[inline(always)]
+fn nearest_scaled(t: &[f32], x: &[f32], id: f32, codes: &mut [u8]) {
+    const CHUNK: usize = 32;
+    let inner = &t[1..t.len() - 1];
+    for (cs, xs) in codes.chunks_mut(CHUNK).zip(x.chunks(CHUNK)) {
+        let (mut y, mut lo) = ([0f32; CHUNK], [0u32; CHUNK]);
+        y.iter_mut().zip(xs).for_each(|(y, &v)| *y = v * id);
+        for &v in inner {
+            lo.iter_mut()
+                .zip(&y)
+                .for_each(|(l, &y)| *l += u32::from((y >= v) | y.is_nan()));
         }
-    }
-    if x - t[lo] < t[hi] - x {
-        lo as u8
-    } else {
-        hi as u8
+        for ((c, &l), &y) in cs.iter_mut().zip(&lo).zip(&y) {
+            *c = pick(t, y, l as usize);
+        }
     }
 }
 
@@ -335,6 +354,7 @@ fn round_nearest(fmt: ScaleFormat, x: f32) -> f32 {
 
 /// The stored scale of one group `x` (finite values) and its codes, or the
 /// scale that does not fit `fmt`.
+#[inline(always)]
 pub(crate) fn encode_group(
     levels: Levels,
     t: &[f32],
@@ -363,10 +383,10 @@ pub(crate) fn encode_group(
             }
             let d0 = max / t[0];
             let id = 1.0 / d0;
+            nearest_scaled(t, x, id, codes);
             let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
-            for (c, &v) in codes.iter_mut().zip(x) {
-                *c = nearest(t, id * v);
-                let q = t[*c as usize];
+            for (&c, &v) in codes.iter().zip(x) {
+                let q = t[usize::from(c)];
                 let w = v * v;
                 sumqx += w * q * v;
                 sumq2 += w * q * q;
@@ -427,6 +447,7 @@ pub(crate) fn encode_group(
 
 /// The stored scale of one fp8 group `x` (`absmax/largest`, to the nearest
 /// value of `fmt`) and its bytes, or the scale that does not fit `fmt`.
+#[inline(always)]
 fn fp8_group(
     f: Fp8,
     fmt: ScaleFormat,
@@ -452,6 +473,7 @@ fn fp8_group(
 
 /// Codes of `x` at scale `d0`, the least-squares scale for them rounded
 /// into `fmt`, and the codes again at that stored scale; returns it.
+#[inline(always)]
 fn refit(
     t: &[f32],
     fmt: ScaleFormat,
@@ -464,11 +486,10 @@ fn refit(
         codes.fill(zero_code);
         return Ok(0.0);
     }
-    let id = 1.0 / d0;
+    nearest_scaled(t, x, 1.0 / d0, codes);
     let (mut sqx, mut sq2) = (0.0f64, 0.0f64);
-    for (c, &v) in codes.iter_mut().zip(x) {
-        *c = nearest(t, v * id);
-        let q = f64::from(t[usize::from(*c)]);
+    for (&c, &v) in codes.iter().zip(x) {
+        let q = f64::from(t[usize::from(c)]);
         sqx += q * f64::from(v);
         sq2 += q * q;
     }
@@ -481,10 +502,7 @@ fn refit(
         codes.fill(zero_code);
         return Ok(0.0);
     }
-    let id = 1.0 / d;
-    for (c, &v) in codes.iter_mut().zip(x) {
-        *c = nearest(t, v * id);
-    }
+    nearest_scaled(t, x, 1.0 / d, codes);
     Ok(d)
 }
 
@@ -678,6 +696,7 @@ impl CodebookCodec {
     }
 
     /// One group's scale and codes.
+    #[inline(always)]
     fn group(
         &self,
         fmt: ScaleFormat,
@@ -757,42 +776,20 @@ impl KvCodec for CodebookCodec {
 
     fn encode_token(
         &self,
-        _backend: Backend,
+        backend: Backend,
         row: &[f32],
         token: usize,
         codes: &mut [u8],
         params: &mut [u8],
         _outliers: &mut [u8],
     ) -> Result<()> {
-        let l = &self.layout;
-        let s = l.scheme();
-        let fmt = s.scale_format();
-        let fb = fmt.bytes();
-        let (hd, cpg, gpr, rb) = (
-            l.head_dim(),
-            l.channels_per_group(),
-            l.groups_per_row(),
-            l.row_bytes(),
-        );
-        // One head's codes, on the stack for heads up to 512 channels.
-        let (mut stack, mut heap) = ([0u8; 512], Vec::new());
-        let tmp: &mut [u8] = if hd <= stack.len() {
-            &mut stack[..hd]
-        } else {
-            heap.resize(hd, 0);
-            &mut heap
-        };
-        for h in 0..l.n_kv_heads() {
-            for g in 0..gpr {
-                let x = &row[h * hd + g * cpg..][..cpg];
-                let d = self
-                    .group(fmt, x, &mut tmp[g * cpg..(g + 1) * cpg])
-                    .map_err(|value| super::overflow(fmt, "scale", value, token, h, g))?;
-                fmt.write(d, &mut params[(h * gpr + g) * fb..]);
-            }
-            crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
-        }
-        Ok(())
+        backend.dispatch(EncodeRow {
+            codec: self,
+            row,
+            token,
+            codes,
+            params,
+        })
     }
 
     fn encode_block(
@@ -834,5 +831,154 @@ impl KvCodec for CodebookCodec {
 
     fn decode(&self, head: &PackedHead<'_>, out: &mut [f32]) {
         kernels::codebook::decode(head, self.book(), out);
+    }
+}
+
+/// One token's row encoded ([`KvCodec::encode_token`]), run as a kernel
+/// so the encoder's loops are compiled for each backend's vectors (the
+/// nearest-level counts of [`nearest_scaled`] vectorize; the body is plain
+/// Rust either way, and every backend gives the same bytes).
+struct EncodeRow<'a> {
+    codec: &'a CodebookCodec,
+    row: &'a [f32],
+    token: usize,
+    codes: &'a mut [u8],
+    params: &'a mut [u8],
+}
+
+impl EncodeRow<'_> {
+    #[inline(always)]
+    fn run(self) -> Result<()> {
+        let EncodeRow {
+            codec,
+            row,
+            token,
+            codes,
+            params,
+        } = self;
+        let l = &codec.layout;
+        let s = l.scheme();
+        let fmt = s.scale_format();
+        let fb = fmt.bytes();
+        let (hd, cpg, gpr, rb) = (
+            l.head_dim(),
+            l.channels_per_group(),
+            l.groups_per_row(),
+            l.row_bytes(),
+        );
+        // One head's codes, on the stack for heads up to 512 channels.
+        let (mut stack, mut heap) = ([0u8; 512], Vec::new());
+        let tmp: &mut [u8] = if hd <= stack.len() {
+            &mut stack[..hd]
+        } else {
+            heap.resize(hd, 0);
+            &mut heap
+        };
+        for h in 0..l.n_kv_heads() {
+            for g in 0..gpr {
+                let x = &row[h * hd + g * cpg..][..cpg];
+                let d = codec
+                    .group(fmt, x, &mut tmp[g * cpg..(g + 1) * cpg])
+                    .map_err(|value| super::overflow(fmt, "scale", value, token, h, g))?;
+                fmt.write(d, &mut params[(h * gpr + g) * fb..]);
+            }
+            crate::pack::pack(tmp, s.bits(), &mut codes[h * rb..(h + 1) * rb]);
+        }
+        Ok(())
+    }
+}
+
+impl Kernel for EncodeRow<'_> {
+    type Output = Result<()>;
+
+    fn portable(self) -> Result<()> {
+        self.run()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn simd<S: crate::simd::x86_64::Simd>(self, _s: S) -> Result<()> {
+        self.run()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The binary search the branch-free lookup replaces.
+    fn by_search(t: &[f32], x: f32) -> u8 {
+        let n = t.len();
+        if x <= t[0] {
+            return 0;
+        }
+        if x >= t[n - 1] {
+            return (n - 1) as u8;
+        }
+        let (mut lo, mut hi) = (0, n - 1);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if x < t[mid] {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        if x - t[lo] < t[hi] - x {
+            lo as u8
+        } else {
+            hi as u8
+        }
+    }
+
+    /// Every table, at its levels, their neighbours one ulp either side,
+    /// the midpoints, far beyond the ends, infinities, NaN and a sweep:
+    /// the same index as the search, one value or a chunk at a time.
+    #[test]
+    fn the_branch_free_lookup_picks_what_the_search_picks() {
+        let fitted = FittedLevels::new(&[-1.6, -0.4, 0.5, 1.4]).unwrap();
+        let tables: Vec<&[f32]> = vec![&IQ4NL, &NF4, &GAUSS2, &GAUSS3, &GAUSS4, fitted.levels()];
+        let step = |x: f32, up: bool| {
+            let b = x.to_bits();
+            match (x == 0.0, up == (x > 0.0)) {
+                (true, _) => f32::from_bits(1) * if up { 1.0 } else { -1.0 },
+                (false, true) => f32::from_bits(b + 1),
+                (false, false) => f32::from_bits(b - 1),
+            }
+        };
+        for t in tables {
+            let mut xs = vec![
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                0.0,
+                -0.0,
+                1e30,
+                -1e30,
+            ];
+            for (i, &v) in t.iter().enumerate() {
+                xs.extend([v, step(v, true), step(v, false)]);
+                if let Some(&w) = t.get(i + 1) {
+                    let m = (v + w) / 2.0;
+                    xs.extend([m, step(m, true), step(m, false)]);
+                }
+            }
+            let (lo, hi) = (t[0], t[t.len() - 1]);
+            xs.extend((0..=2000).map(|i| lo * 1.5 + (hi - lo * 1.5) * 1.5 * i as f32 / 2000.0));
+            for &x in &xs {
+                assert_eq!(nearest(t, x), by_search(t, x), "{t:?} at {x}");
+            }
+            // A chunk at a time, scaled, over lengths around the chunk.
+            for (len, id) in [(1, 1.0), (31, 0.5), (32, 2.0), (33, 1.0), (100, -1.0)] {
+                for start in [0, 7] {
+                    let x: Vec<f32> = xs.iter().cycle().skip(start).take(len).copied().collect();
+                    let mut codes = vec![0u8; len];
+                    nearest_scaled(t, &x, id, &mut codes);
+                    for (i, (&c, &v)) in codes.iter().zip(&x).enumerate() {
+                        assert_eq!(c, by_search(t, v * id), "{t:?}: {i} of {len}");
+                    }
+                }
+            }
+        }
     }
 }
