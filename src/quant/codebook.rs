@@ -307,20 +307,23 @@ impl Levels {
 #[inline(always)]
 pub(crate) fn nearest(t: &[f32], x: f32) -> u8 {
     let inner = &t[1..t.len() - 1];
-    let lo = inner
-        .iter()
-        .map(|&v| usize::from((x >= v) | x.is_nan()))
-        .sum::<usize>();
+    let lo = inner.iter().map(|&v| usize::from(not_below(x, v))).sum();
     pick(t, x, lo)
+}
+
+/// `!(x < v)`, which counts NaN as above every level (clippy prefers the
+/// spelled-out form); `|` rather than `||`, which may branch.
+#[inline(always)]
+fn not_below(x: f32, v: f32) -> bool {
+    (x >= v) | x.is_nan()
 }
 
 /// `lo` or `lo + 1`, whichever level of `t` is nearer to `x` (ties and NaN
 /// to the upper one); `lo + 1 < t.len()`.
 #[inline(always)]
 fn pick(t: &[f32], x: f32, lo: usize) -> u8 {
-    // A flag added, not a branch: which way is as likely as not. (`|`
-    // rather than `||`, which may branch.)
-    lo as u8 + u8::from((x - t[lo] >= t[lo + 1] - x) | x.is_nan())
+    // A flag added, not a branch: which way is as likely as not.
+    lo as u8 + u8::from(not_below(x - t[lo], t[lo + 1] - x))
 }
 
 /// `codes[i] = nearest(t, x[i]·id)` for every `i`, a chunk of values at a
@@ -335,7 +338,7 @@ fn nearest_scaled(t: &[f32], x: &[f32], id: f32, codes: &mut [u8]) {
         for &v in inner {
             lo.iter_mut()
                 .zip(&y)
-                .for_each(|(l, &y)| *l += u32::from((y >= v) | y.is_nan()));
+                .for_each(|(l, &y)| *l += u32::from(not_below(y, v)));
         }
         for ((c, &l), &y) in cs.iter_mut().zip(&lo).zip(&y) {
             *c = pick(t, y, l as usize);
