@@ -104,17 +104,107 @@ unsafe fn book_vec<S: Simd, const B: u8>(
 }
 
 /// The 16-entry table the kernels look codes of `bits` up in: 2-bit
-/// levels repeated every four entries, so a field shifted down needs no
-/// mask ([`book_vec`]); others as stored.
+/// levels repeated every four entries and 3-bit ones every eight, so a
+/// field shifted down needs no mask ([`book_vec`], [`paired_codes`]);
+/// others as stored.
 #[inline(always)]
 fn table_for(book: Book<'_>, bits: u8) -> [f32; 16] {
     let mut t = *book.table;
-    if bits == 2 && !book.fp8 {
-        for i in 4..16 {
-            t[i] = t[i & 3];
+    if (bits == 2 || bits == 3) && !book.fp8 {
+        let m = (1 << bits) - 1;
+        for i in 0..16 {
+            t[i] = t[i & m];
         }
     }
     t
+}
+
+/// Whether rows decode in the paired order ([`paired_codes`]): 16 lanes,
+/// head_dim 128, 2-, 3- or 4-bit table codes, groups of whole 32-channel
+/// blocks (so each vector's lanes share one scale).
+#[inline(always)]
+fn paired<S: Simd>(hd: usize, cpg: usize, bits: u8, fp8: bool) -> bool {
+    S::L == 16 && hd == 128 && cpg.is_multiple_of(32) && !fp8 && matches!(bits, 2..=4)
+}
+
+/// The row's 128 codes as 8 index vectors in the paired order: vector
+/// `2b + r` holds the codes of channels `32b + 2i + r` (`i < 16`), the
+/// even channels of block `b` and then its odd ones. In that order every
+/// plane's bytes sit two to a lane after one `u16`-widening load per 32
+/// bytes, and each vector is one shift of such a register, where the
+/// natural order takes a byte-widening load per vector: the shift runs
+/// beside the table permutes, the widening competes with them for the
+/// shuffle ports (`docs/PERFORMANCE.md`, "The paired order"). Only the
+/// low four bits of a lane are the index; the bits above are other codes
+/// (the lookup ignores them), and bit 3 of a 3-bit index or bits 2–3 of a
+/// 2-bit one are too ([`table_for`] repeats the levels to match).
+///
+/// # Safety
+/// `row` valid for `128·B/8` bytes; `S::L == 16`.
+#[inline(always)]
+unsafe fn paired_codes<S: Simd, const B: u8>(s: S, row: *const u8) -> [S::I; 8] {
+    let shr = |v, n: u32| s.shr_mask(v, n as i32, u32::MAX);
+    let mut ix = [s.zero_i(); 8];
+    // SAFETY: every load reads inside the row's planes (`crate::pack`):
+    // 64 bytes at 4 bits, 32 at 2, 32 + 16 at 3.
+    unsafe {
+        match B {
+            4 => {
+                // Byte `k` holds channel `k` (low nibble) and `k + 64`.
+                let z = [s.load_u16(row), s.load_u16(row.add(32))];
+                for b in 0..4 {
+                    for r in 0..2 {
+                        ix[2 * b + r] = shr(z[b % 2], (8 * r + 4 * (b / 2)) as u32);
+                    }
+                }
+            }
+            2 => {
+                // Byte `k` holds channels `k + 32f` at bits `2f`.
+                let z = s.load_u16(row);
+                for b in 0..4 {
+                    for r in 0..2 {
+                        ix[2 * b + r] = shr(z, (8 * r + 2 * b) as u32);
+                    }
+                }
+            }
+            _ => {
+                // Bits 0–1 as the 2-bit layout; bit 2 of channel `c` is
+                // bit `c / 16` of byte `32 + c % 16`. With that plane
+                // repeated in both halves of the lanes, code `(b, r)` of
+                // lane `i` has its bit 2 at `8r + 2b + [i ≥ 8]`: moved to
+                // `8r + 2b + 2`, just above its low bits, a select per
+                // parity of `b` joins the planes.
+                let lo = s.load_u16(row);
+                let hi = s.shr_pair_mask(s.load_u16_dup(row.add(32)), 0, 1, u32::MAX, 2);
+                let even = s.select(0x3333, lo, hi);
+                let odd = s.select(0xCCCC, lo, hi);
+                for b in 0..4 {
+                    for r in 0..2 {
+                        let v = if b % 2 == 0 { even } else { odd };
+                        ix[2 * b + r] = shr(v, (8 * r + 2 * b) as u32);
+                    }
+                }
+            }
+        }
+    }
+    ix
+}
+
+/// Rows of 128 floats from the natural order to the paired one
+/// ([`paired_codes`]) (`back` false) or back.
+fn pair_rows(src: &[f32], dst: &mut [f32], back: bool) {
+    for (s, d) in src.chunks_exact(128).zip(dst.chunks_exact_mut(128)) {
+        for v in 0..8 {
+            for i in 0..16 {
+                let c = 32 * (v / 2) + 2 * i + v % 2;
+                if back {
+                    d[c] = s[16 * v + i];
+                } else {
+                    d[16 * v + i] = s[c];
+                }
+            }
+        }
+    }
 }
 
 /// Decode the `hd` codes of `row` to their values, times their group's
@@ -193,13 +283,14 @@ fn tile_scales<S: Simd>(
 /// `2^gshift` channels): the scale for scores, the token's weight times
 /// the scale for the sum (`o_j += level·c`). The scores add the vectors in
 /// the scratch path's order ([`dot_tile`]), so both give the same bits.
+/// `PAIR`: rows, query and output in the paired order ([`paired_codes`]).
 ///
 /// # Safety
 /// [`check`] and [`takes`] hold, one query, groups of whole vectors,
-/// `HD` the head dim and at most `MAX_NCH·L`.
+/// `HD` the head dim and at most `MAX_NCH·L`; with `PAIR`, [`paired`].
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool>(
+unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, const PAIR: bool>(
     s: S,
     head: &PackedHead<'_>,
     (tbl, fp8): (S::T16, (u32, f32)),
@@ -221,8 +312,14 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool>(
     let gpr = HD >> gshift;
     let (codes, params) = (head.codes().as_ptr(), head.params().as_ptr());
     // The row held in registers: the query (scores) or the output (sum),
-    // `HD` floats either way (`check`).
-    let (rp, op) = if sum {
+    // `HD` floats either way (`check`); paired, a reordered copy.
+    let mut prow = Buf::new(if PAIR { HD } else { 0 });
+    let (rp, op) = if PAIR {
+        let p = prow.m();
+        pair_rows(if sum { &*out } else { x }, p, false);
+        let p = p.as_mut_ptr();
+        (p as *const f32, p)
+    } else if sum {
         let p = out.as_mut_ptr();
         (p as *const f32, p)
     } else {
@@ -259,8 +356,10 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool>(
                 None => (codes.add(t0 * rb), rb),
             };
             macro_rules! vec_at {
-                ($row:expr, $j:expr) => {
-                    if BYTES {
+                ($row:expr, $ix:expr, $j:expr) => {
+                    if PAIR {
+                        s.lut16(tbl, $ix[$j % 8])
+                    } else if BYTES {
                         s.lut16(tbl, s.load_u8($row.add($j * S::L)))
                     } else {
                         book_vec::<S, B>(s, tbl, fp8, $row, HD, $j)
@@ -271,15 +370,20 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool>(
                 ah[0].token(tt);
                 ah[1].token(tt);
                 let (row, c) = (tile.add(tt * stride), scales.as_ptr().add(tt * gpr));
+                let ix = if PAIR {
+                    paired_codes::<S, B>(s, row)
+                } else {
+                    [s.zero_i(); 8]
+                };
                 if sum {
                     unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
-                        let v = vec_at!(row, j);
+                        let v = vec_at!(row, ix, j);
                         r[j] = s.fma(v, s.bcast(c.add((j * S::L) >> gshift)), r[j]);
                     });
                 } else {
                     let mut a = s.zero();
                     unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
-                        let v = vec_at!(row, j);
+                        let v = vec_at!(row, ix, j);
                         let v = s.mul(v, s.bcast(c.add((j * S::L) >> gshift)));
                         a = s.fma(v, r[j], a);
                     });
@@ -301,6 +405,9 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool>(
             store_lanes(s, v, &mut out[t0..t0 + n]);
         }
         t0 += n;
+    }
+    if PAIR && sum {
+        pair_rows(prow.m(), out, true);
     }
 }
 
@@ -339,6 +446,37 @@ unsafe fn decode_tile<S: Simd, const B: u8, const SCALED: bool>(
                         *dst.add(e / S::L * stride + e % S::L) *= v;
                     }
                 }
+            }
+        }
+    }
+}
+
+/// [`decode_tile`] (scaled) for rows in the paired order
+/// ([`paired_codes`]): vector `v` of row `tt` at `(v·T + tt)·L`.
+///
+/// # Safety
+/// As [`decode_tile`]; [`paired`] holds.
+#[allow(clippy::type_complexity)]
+#[inline(always)]
+unsafe fn decode_tile_paired<S: Simd, const B: u8>(
+    s: S,
+    tbl: S::T16,
+    (rows, rb, n, ah): (*const u8, usize, usize, [Ahead; 2]),
+    (sc, gpr, gshift): (*const f32, usize, u32),
+    scr: *mut f32,
+) {
+    let stride = S::T * S::L;
+    for tt in 0..n {
+        ah[0].token(tt);
+        ah[1].token(tt);
+        // SAFETY: row `tt < n` and its scales are in bounds (the caller's
+        // contract); scratch row `tt < T` starts at `tt·L`, 8 vectors.
+        unsafe {
+            let (row, sc, dst) = (rows.add(tt * rb), sc.add(tt * gpr), scr.add(tt * S::L));
+            let ix = paired_codes::<S, B>(s, row);
+            for (v, &ix) in ix.iter().enumerate() {
+                let c = s.bcast(sc.add((v * S::L) >> gshift));
+                s.store(dst.add(v * stride), s.mul(s.lut16(tbl, ix), c));
             }
         }
     }
@@ -403,24 +541,39 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
     // straight into registers, the query (scores) or the output (sum)
     // held there for the whole head.
     let one = nq == 1 && HD > 0 && scaled && nch <= MAX_NCH;
+    // 2- to 4-bit rows of 128 codes in whole-block groups decode in the
+    // paired order on 16 lanes, one query or several alike.
+    let pair = HD == 128 && paired::<S>(hd, cpg, bits, book.fp8);
     if one {
         let c = (f16, gshift, pb);
+        let (tb, xo) = ((tbl, fp8), (x, &mut *out));
         // SAFETY: the caller's contract; `one` adds one query, whole-vector
-        // groups and a compile-time head dim of at most `MAX_NCH` vectors.
+        // groups and a compile-time head dim of at most `MAX_NCH` vectors;
+        // `pair` [`paired`].
         unsafe {
             match bits {
-                2 => one_query::<S, 2, HD, false>(s, head, (tbl, fp8), x, out, sum, c),
+                2 if pair => one_query::<S, 2, HD, false, true>(s, head, tb, xo.0, xo.1, sum, c),
+                3 if pair => one_query::<S, 3, HD, false, true>(s, head, tb, xo.0, xo.1, sum, c),
+                4 if pair => one_query::<S, 4, HD, false, true>(s, head, tb, xo.0, xo.1, sum, c),
+                2 => one_query::<S, 2, HD, false, false>(s, head, tb, xo.0, xo.1, sum, c),
                 3 if s.code3_consts(HD).is_some() => {
-                    one_query::<S, 3, HD, true>(s, head, (tbl, fp8), x, out, sum, c)
+                    one_query::<S, 3, HD, true, false>(s, head, tb, xo.0, xo.1, sum, c)
                 }
-                3 => one_query::<S, 3, HD, false>(s, head, (tbl, fp8), x, out, sum, c),
-                4 => one_query::<S, 4, HD, false>(s, head, (tbl, fp8), x, out, sum, c),
-                8 => one_query::<S, 8, HD, false>(s, head, (tbl, fp8), x, out, sum, c),
+                3 => one_query::<S, 3, HD, false, false>(s, head, tb, xo.0, xo.1, sum, c),
+                4 => one_query::<S, 4, HD, false, false>(s, head, tb, xo.0, xo.1, sum, c),
+                8 => one_query::<S, 8, HD, false, false>(s, head, tb, xo.0, xo.1, sum, c),
                 _ => unreachable!("codebook: `takes` admits 2, 3, 4 and 8 bits"),
             }
         }
         return;
     }
+    // Paired: the queries (scores) or the output rows (sum) reordered
+    // once, the sums put back at the end.
+    let mut prows = Buf::new(if pair { nq * hd } else { 0 });
+    if pair {
+        pair_rows(if sum { &*out } else { x }, prows.m(), false);
+    }
+    let prows = prows.m();
     // Vector-major: vector `j` of token `tt` at `(j·T + tt)·L`.
     let mut scr = Buf::new(S::T * hd);
     let scr = scr.m().as_mut_ptr();
@@ -440,9 +593,13 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
         unsafe {
             let tile = (codes.add(t0 * rb), rb, n, ah);
             let sc = (scales.as_ptr(), gpr, gshift, cpg);
+            let scp = (scales.as_ptr(), gpr, gshift);
             macro_rules! go {
                 ($($b:literal),*) => {
                     match (bits, scaled) {
+                        (2, _) if pair => decode_tile_paired::<S, 2>(s, tbl, tile, scp, scr),
+                        (3, _) if pair => decode_tile_paired::<S, 3>(s, tbl, tile, scp, scr),
+                        (4, _) if pair => decode_tile_paired::<S, 4>(s, tbl, tile, scp, scr),
                         $(
                             ($b, true) => decode_tile::<S, $b, true>(s, tbl, fp8, tile, sc, hd, scr),
                             ($b, false) => decode_tile::<S, $b, false>(s, tbl, fp8, tile, sc, hd, scr),
@@ -461,20 +618,29 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
         }
         for i in 0..nq {
             // SAFETY: the scratch holds the tile (rows `n..T` zero); query
-            // and output row `i` hold `hd = nch·L` floats (`check`), and
-            // `w` `T` weights.
+            // and output row `i` hold `hd = nch·L` floats (`check`), as do
+            // the paired copies, and `w` `T` weights.
             unsafe {
                 if sum {
                     let mut w = [0f32; 16];
                     w[..n].copy_from_slice(&x[i * tokens + t0..i * tokens + t0 + n]);
                     let w = splat_tile(s, w.as_ptr());
-                    sum_vectors(s, scr, 0, nch, &w, out.as_mut_ptr().add(i * hd));
+                    let o = if pair {
+                        prows.as_mut_ptr()
+                    } else {
+                        out.as_mut_ptr()
+                    };
+                    sum_vectors(s, scr, 0, nch, &w, o.add(i * hd));
                 } else {
-                    let r = dot_tile(s, scr, nch, x.as_ptr().add(i * hd));
+                    let q = if pair { prows.as_ptr() } else { x.as_ptr() };
+                    let r = dot_tile(s, scr, nch, q.add(i * hd));
                     store_lanes(s, r, &mut out[i * tokens + t0..i * tokens + t0 + n]);
                 }
             }
         }
         t0 += n;
+    }
+    if pair && sum {
+        pair_rows(prows, out, true);
     }
 }

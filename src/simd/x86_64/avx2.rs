@@ -300,6 +300,14 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_or_si256(a, b) }
     }
     #[inline(always)]
+    fn select(self, m: u32, a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: AVX2.
+        unsafe {
+            let m = _mm256_set1_epi32(m as i32);
+            _mm256_or_si256(_mm256_and_si256(a, m), _mm256_andnot_si256(m, b))
+        }
+    }
+    #[inline(always)]
     fn reduce(self, a: &[__m256; 16]) -> __m256 {
         // Two rounds of horizontal adds leave, in each 128-bit half, the
         // four partial sums of tokens 0–3 (u0) or 4–7 (u1); adding the
@@ -401,6 +409,19 @@ unsafe impl Simd for Avx2 {
         unsafe {
             let x = _mm_cvtsi32_si128((p as *const i32).read_unaligned());
             _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(x, x))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_u16(self, p: *const u8) -> __m256i {
+        // SAFETY: the caller's contract (16 bytes, unaligned load); AVX2.
+        unsafe { _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn load_u16_dup(self, p: *const u8) -> __m256i {
+        // SAFETY: the caller's contract (8 bytes, read unaligned); AVX2.
+        unsafe {
+            let x = _mm_set1_epi64x((p as *const i64).read_unaligned());
+            _mm256_cvtepu16_epi32(x)
         }
     }
     #[inline(always)]

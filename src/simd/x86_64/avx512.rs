@@ -290,6 +290,11 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_or_si512(a, b) }
     }
     #[inline(always)]
+    fn select(self, m: u32, a: __m512i, b: __m512i) -> __m512i {
+        // SAFETY: AVX-512F. One `vpternlogd`: `m ? a : b` per bit.
+        unsafe { _mm512_ternarylogic_epi32::<0xE4>(a, b, _mm512_set1_epi32(m as i32)) }
+    }
+    #[inline(always)]
     fn reduce(self, a: &[__m512; 16]) -> __m512 {
         // Transpose-and-add in four levels (128-bit halves, 128-bit
         // quarters, pairs, lanes). The last level leaves the sum of slot
@@ -412,6 +417,19 @@ unsafe impl Simd for Avx512 {
         unsafe {
             let x = _mm_loadl_epi64(p as *const __m128i);
             _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(x, x))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_u16(self, p: *const u8) -> __m512i {
+        // SAFETY: the caller's contract (32 bytes, unaligned load); AVX-512F.
+        unsafe { _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+    #[inline(always)]
+    unsafe fn load_u16_dup(self, p: *const u8) -> __m512i {
+        // SAFETY: the caller's contract (16 bytes, unaligned load); AVX-512F.
+        unsafe {
+            let x = _mm_loadu_si128(p as *const __m128i);
+            _mm512_cvtepu16_epi32(_mm256_broadcastsi128_si256(x))
         }
     }
     #[inline(always)]

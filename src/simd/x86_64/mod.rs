@@ -169,6 +169,8 @@ pub(crate) unsafe trait Simd: Copy {
     fn shr_pair_mask(self, v: Self::I, a: u32, b: u32, mask: u32, sh: u32) -> Self::I;
     /// Bitwise or.
     fn or(self, a: Self::I, b: Self::I) -> Self::I;
+    /// Bitwise `(a & m) | (b & !m)`, `m` in every lane.
+    fn select(self, m: u32, a: Self::I, b: Self::I) -> Self::I;
     /// The lanes' bits read as floats (no conversion).
     fn bits_f32(self, v: Self::I) -> Self::F;
     /// The constants of [`Simd::code3_bytes`] for rows of `hd` channels,
@@ -225,6 +227,15 @@ pub(crate) unsafe trait Simd: Copy {
     /// # Safety
     /// `p` valid for reading `L/2` bytes.
     unsafe fn load_u8_dup(self, p: *const u8) -> Self::I;
+    /// `L` little-endian `u16`s, zero-extended to 32-bit lanes.
+    /// # Safety
+    /// `p` valid for reading `2·L` bytes.
+    unsafe fn load_u16(self, p: *const u8) -> Self::I;
+    /// `L/2` little-endian `u16`s, zero-extended, in both halves of the
+    /// lanes.
+    /// # Safety
+    /// `p` valid for reading `L` bytes.
+    unsafe fn load_u16_dup(self, p: *const u8) -> Self::I;
     /// `L` little-endian IEEE halves, widened.
     /// # Safety
     /// `p` valid for reading `2·L` bytes (any alignment).
@@ -237,4 +248,51 @@ pub(crate) unsafe trait Simd: Copy {
     /// # Safety
     /// `p` valid for reading `4·L` bytes.
     unsafe fn load_f32_bytes(self, p: *const u8) -> Self::F;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Avx2, Avx512, Simd};
+
+    /// The lanes of an integer vector.
+    fn lanes<S: Simd>(s: S, v: S::I) -> Vec<u32> {
+        let mut out = [0f32; 16];
+        // SAFETY: `out` holds 16 ≥ L floats.
+        unsafe { s.store_i(out.as_mut_ptr(), v) };
+        out[..S::L].iter().map(|f| f.to_bits()).collect()
+    }
+
+    /// The `u16` loads and the bitwise select against their scalar
+    /// definitions, on odd bytes and masks.
+    fn widen_and_select<S: Simd>(s: S) {
+        let bytes: Vec<u8> = (0..64u32).map(|i| (i * 37 + 11) as u8).collect();
+        let word = |k: usize| u16::from_le_bytes([bytes[2 * k], bytes[2 * k + 1]]) as u32;
+        // SAFETY: `bytes` holds 64 ≥ 2·L bytes.
+        let (a, d) = unsafe { (s.load_u16(bytes.as_ptr()), s.load_u16_dup(bytes.as_ptr())) };
+        let want: Vec<u32> = (0..S::L).map(word).collect();
+        assert_eq!(lanes(s, a), want, "load_u16");
+        let want: Vec<u32> = (0..S::L).map(|l| word(l % (S::L / 2))).collect();
+        assert_eq!(lanes(s, d), want, "load_u16_dup");
+        // SAFETY: as above.
+        let b = unsafe { s.load_u16(bytes.as_ptr().add(2 * S::L)) };
+        let m = 0xCCCC_3333u32;
+        let (la, lb) = (lanes(s, a), lanes(s, b));
+        let want: Vec<u32> = (0..S::L).map(|l| (la[l] & m) | (lb[l] & !m)).collect();
+        assert_eq!(lanes(s, s.select(m, a, b)), want, "select");
+    }
+
+    #[test]
+    fn u16_loads_and_select_match_their_definitions() {
+        let mut ran = false;
+        if let Some(s) = Avx2::new() {
+            widen_and_select(s);
+            ran = true;
+        }
+        if let Some(s) = Avx512::new() {
+            widen_and_select(s);
+        }
+        if !ran {
+            println!("skipped: this CPU has no AVX2");
+        }
+    }
 }
