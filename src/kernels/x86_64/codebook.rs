@@ -121,7 +121,8 @@ fn table_for(book: Book<'_>, bits: u8) -> [f32; 16] {
 
 /// Whether rows decode in the paired order ([`paired_codes`]): 16 lanes,
 /// head_dim 128, 2-, 3- or 4-bit table codes, groups of whole 32-channel
-/// blocks (so each vector's lanes share one scale).
+/// blocks (so each vector's lanes share one scale): 32, 64 or 128
+/// channels, the kernels' `gshift` 5, 6 or 7.
 #[inline(always)]
 fn paired<S: Simd>(hd: usize, cpg: usize, bits: u8, fp8: bool) -> bool {
     S::L == 16 && hd == 128 && cpg.is_multiple_of(32) && !fp8 && matches!(bits, 2..=4)
@@ -396,6 +397,26 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
                         let v = vec_at!(row, ix, j);
                         r[j] = s.fma(v, s.bcast(c.add((j * S::L) >> gshift)), r[j]);
                     });
+                } else if PAIR {
+                    // The table scaled once per group (32, 64 or 128
+                    // channels: a constant shift, so each group's product
+                    // is computed once) rather than every vector: the
+                    // same products, so the same bits.
+                    macro_rules! scores {
+                        ($gs:literal) => {{
+                            let mut a = s.zero();
+                            unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                                let tg = s.scale16(tbl, s.bcast(c.add((j * S::L) >> $gs)));
+                                a = s.fma(s.lut16(tg, ix[j % 8]), r[j], a);
+                            });
+                            s.store(acc.add(tt * S::L), a);
+                        }};
+                    }
+                    match gshift {
+                        5 => scores!(5),
+                        6 => scores!(6),
+                        _ => scores!(7),
+                    }
                 } else {
                     let mut a = s.zero();
                     unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {

@@ -198,6 +198,10 @@ unsafe impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    fn scale16(self, t: (__m256, __m256), c: __m256) -> (__m256, __m256) {
+        (self.mul(t.0, c), self.mul(t.1, c))
+    }
+    #[inline(always)]
     fn field_f32<const P: u32>(self, v: __m256i) -> __m256 {
         // SAFETY: AVX2. (A table permute would work for fields of up to 3
         // bits, but 256-bit converts issue on two ports and `vpermps` on

@@ -184,6 +184,10 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_permutexvar_ps(idx, t) }
     }
     #[inline(always)]
+    fn scale16(self, t: __m512, c: __m512) -> __m512 {
+        self.mul(t, c)
+    }
+    #[inline(always)]
     fn code3_consts(self, hd: usize) -> Option<Code3> {
         // Each plane's 64-code blocks come from one load or broadcast:
         // plane bytes in whole 64-byte blocks, or one block of 32 (2-bit

@@ -162,6 +162,8 @@ pub(crate) unsafe trait Simd: Copy {
     /// Lane `l` of the result is `t[idx[l]]` (`idx[l] < 16`): a codebook
     /// lookup, one permute on AVX-512, two and a blend on AVX2.
     fn lut16(self, t: Self::T16, idx: Self::I) -> Self::F;
+    /// Every entry of `t` times `c` (the same in every lane).
+    fn scale16(self, t: Self::T16, c: Self::F) -> Self::T16;
     /// `(v >> s) & mask` for `s ≥ 0`, `(v << -s) & mask` for `s < 0`.
     fn shr_mask(self, v: Self::I, s: i32, mask: u32) -> Self::I;
     /// `((v >> a) & mask) << sh` in the low half of the lanes and
@@ -279,10 +281,24 @@ mod tests {
         let (la, lb) = (lanes(s, a), lanes(s, b));
         let want: Vec<u32> = (0..S::L).map(|l| (la[l] & m) | (lb[l] & !m)).collect();
         assert_eq!(lanes(s, s.select(m, a, b)), want, "select");
+        // A scaled table looks up the products of its entries.
+        let t: [f32; 16] = std::array::from_fn(|k| k as f32 * 0.37 - 2.1);
+        let c = 1.0 / 3.0;
+        let idx: Vec<u8> = (0..S::L).map(|l| (l * 7 % 16) as u8).collect();
+        // SAFETY: `idx` holds `L` bytes.
+        let got = s.lut16(s.scale16(s.table16(&t), s.splat(c)), unsafe {
+            s.load_u8(idx.as_ptr())
+        });
+        let mut out = [0f32; 16];
+        // SAFETY: `out` holds 16 ≥ L floats.
+        unsafe { s.store(out.as_mut_ptr(), got) };
+        for (l, &i) in idx.iter().enumerate() {
+            assert_eq!(out[l].to_bits(), (t[i as usize] * c).to_bits(), "scale16");
+        }
     }
 
     #[test]
-    fn u16_loads_and_select_match_their_definitions() {
+    fn u16_loads_select_and_scaled_tables_match_their_definitions() {
         let mut ran = false;
         if let Some(s) = Avx2::new() {
             widen_and_select(s);
