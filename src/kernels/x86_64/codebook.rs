@@ -452,13 +452,14 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
 /// vector-major scratch (vector `j` of row `tt` at `(j·T + tt)·L`), each
 /// row times its groups' scales (`gpr` per row at `sc`, groups of `cpg`
 /// channels, `2^gshift` when `SCALED`), asking for the streams ahead.
+/// `PAIR` (with `SCALED`): vectors in the paired order ([`paired_codes`]).
 ///
 /// # Safety
 /// `rows` valid for `n` rows of `hd·B/8` bytes; `sc` for `n·gpr` floats;
-/// `scr` for `T·hd` floats; [`takes`] holds.
+/// `scr` for `T·hd` floats; [`takes`] holds; with `PAIR`, [`paired`].
 #[allow(clippy::type_complexity)]
 #[inline(always)]
-unsafe fn decode_tile<S: Simd, const B: u8, const SCALED: bool>(
+unsafe fn decode_tile<S: Simd, const B: u8, const SCALED: bool, const PAIR: bool>(
     s: S,
     tbl: S::T16,
     fp8: (u32, f32),
@@ -475,7 +476,15 @@ unsafe fn decode_tile<S: Simd, const B: u8, const SCALED: bool>(
         // contract); scratch row `tt < T` starts at `tt·L`.
         unsafe {
             let (row, sc, dst) = (rows.add(tt * rb), sc.add(tt * gpr), scr.add(tt * S::L));
-            decode_codes::<S, B, SCALED>(s, tbl, fp8, row, hd, (sc, gshift), (dst, stride));
+            if PAIR {
+                let ix = paired_codes::<S, B>(s, row);
+                for (v, &ix) in ix.iter().enumerate() {
+                    let c = s.bcast(sc.add((v * S::L) >> gshift));
+                    s.store(dst.add(v * stride), s.mul(s.lut16(tbl, ix), c));
+                }
+            } else {
+                decode_codes::<S, B, SCALED>(s, tbl, fp8, row, hd, (sc, gshift), (dst, stride));
+            }
             if !SCALED {
                 for g in 0..gpr {
                     let v = *sc.add(g);
@@ -483,37 +492,6 @@ unsafe fn decode_tile<S: Simd, const B: u8, const SCALED: bool>(
                         *dst.add(e / S::L * stride + e % S::L) *= v;
                     }
                 }
-            }
-        }
-    }
-}
-
-/// [`decode_tile`] (scaled) for rows in the paired order
-/// ([`paired_codes`]): vector `v` of row `tt` at `(v·T + tt)·L`.
-///
-/// # Safety
-/// As [`decode_tile`]; [`paired`] holds.
-#[allow(clippy::type_complexity)]
-#[inline(always)]
-unsafe fn decode_tile_paired<S: Simd, const B: u8>(
-    s: S,
-    tbl: S::T16,
-    (rows, rb, n, ah): (*const u8, usize, usize, [Ahead; 2]),
-    (sc, gpr, gshift): (*const f32, usize, u32),
-    scr: *mut f32,
-) {
-    let stride = S::T * S::L;
-    for tt in 0..n {
-        ah[0].token(tt);
-        ah[1].token(tt);
-        // SAFETY: row `tt < n` and its scales are in bounds (the caller's
-        // contract); scratch row `tt < T` starts at `tt·L`, 8 vectors.
-        unsafe {
-            let (row, sc, dst) = (rows.add(tt * rb), sc.add(tt * gpr), scr.add(tt * S::L));
-            let ix = paired_codes::<S, B>(s, row);
-            for (v, &ix) in ix.iter().enumerate() {
-                let c = s.bcast(sc.add((v * S::L) >> gshift));
-                s.store(dst.add(v * stride), s.mul(s.lut16(tbl, ix), c));
             }
         }
     }
@@ -630,16 +608,15 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
         unsafe {
             let tile = (codes.add(t0 * rb), rb, n, ah);
             let sc = (scales.as_ptr(), gpr, gshift, cpg);
-            let scp = (scales.as_ptr(), gpr, gshift);
             macro_rules! go {
                 ($($b:literal),*) => {
                     match (bits, scaled) {
-                        (2, _) if pair => decode_tile_paired::<S, 2>(s, tbl, tile, scp, scr),
-                        (3, _) if pair => decode_tile_paired::<S, 3>(s, tbl, tile, scp, scr),
-                        (4, _) if pair => decode_tile_paired::<S, 4>(s, tbl, tile, scp, scr),
+                        (2, _) if pair => decode_tile::<S, 2, true, true>(s, tbl, fp8, tile, sc, hd, scr),
+                        (3, _) if pair => decode_tile::<S, 3, true, true>(s, tbl, fp8, tile, sc, hd, scr),
+                        (4, _) if pair => decode_tile::<S, 4, true, true>(s, tbl, fp8, tile, sc, hd, scr),
                         $(
-                            ($b, true) => decode_tile::<S, $b, true>(s, tbl, fp8, tile, sc, hd, scr),
-                            ($b, false) => decode_tile::<S, $b, false>(s, tbl, fp8, tile, sc, hd, scr),
+                            ($b, true) => decode_tile::<S, $b, true, false>(s, tbl, fp8, tile, sc, hd, scr),
+                            ($b, false) => decode_tile::<S, $b, false, false>(s, tbl, fp8, tile, sc, hd, scr),
                         )*
                         _ => unreachable!("codebook: `takes` admits 2, 3, 4 and 8 bits"),
                     }
