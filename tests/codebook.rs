@@ -258,7 +258,12 @@ fn kernels_match_the_oracle_on_every_backend() {
     let mut rng = Rng::new(11);
     // head dims on the vector path (64, 128, 256) and off it (40, 96, 8).
     for hd in [8usize, 40, 64, 96, 128, 256] {
-        for group in [Group::Size(8), Group::Size(32), Group::Head] {
+        for group in [
+            Group::Size(8),
+            Group::Size(32),
+            Group::Size(64),
+            Group::Head,
+        ] {
             if let Group::Size(g) = group {
                 if !hd.is_multiple_of(g) {
                     continue;
@@ -348,7 +353,7 @@ fn every_backend_encodes_the_portable_bytes() {
 fn one_query_scores_equal_the_scratch_path_bit_for_bit() {
     let mut rng = Rng::new(41);
     let hd = 128;
-    for group in [Group::Size(32), Group::Head] {
+    for group in [Group::Size(32), Group::Size(64), Group::Head] {
         for c in codecs(group) {
             let tokens = 45;
             let rows: Vec<f32> = (0..tokens * 2 * hd).map(|_| rng.normal()).collect();

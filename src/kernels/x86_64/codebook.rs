@@ -104,9 +104,9 @@ unsafe fn book_vec<S: Simd, const B: u8>(
 }
 
 /// The 16-entry table the kernels look codes of `bits` up in: 2-bit
-/// levels repeated every four entries and 3-bit ones every eight, so a
-/// field shifted down needs no mask ([`book_vec`], [`paired_codes`]);
-/// others as stored.
+/// levels repeated every four entries ([`book_vec`], [`paired_codes`])
+/// and 3-bit ones every eight ([`paired_codes`]), so a field shifted down
+/// needs no mask; others as stored.
 #[inline(always)]
 fn table_for(book: Book<'_>, bits: u8) -> [f32; 16] {
     let mut t = *book.table;
@@ -125,14 +125,15 @@ fn table_for(book: Book<'_>, bits: u8) -> [f32; 16] {
 /// channels, the kernels' `gshift` 5, 6 or 7.
 #[inline(always)]
 fn paired<S: Simd>(hd: usize, cpg: usize, bits: u8, fp8: bool) -> bool {
-    S::L == 16 && hd == 128 && cpg.is_multiple_of(32) && !fp8 && matches!(bits, 2..=4)
+    S::L == 16 && hd == 128 && matches!(cpg, 32 | 64 | 128) && !fp8 && matches!(bits, 2..=4)
 }
 
 /// The row's 128 codes as 8 index vectors in the paired order: vector
 /// `2b + r` holds the codes of channels `32b + 2i + r` (`i < 16`), the
 /// even channels of block `b` and then its odd ones. In that order every
 /// plane's bytes sit two to a lane after one `u16`-widening load per 32
-/// bytes, and each vector is one shift of such a register, where the
+/// bytes (the 3-bit rows' 16-byte plane loaded twice over into one
+/// register), and each vector is one shift of such a register, where the
 /// natural order takes a byte-widening load per vector: the shift runs
 /// beside the table permutes, the widening competes with them for the
 /// shuffle ports (`docs/PERFORMANCE.md`, "The paired order"). Only the
@@ -327,8 +328,13 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
         (x.as_ptr(), std::ptr::null_mut())
     };
     let mut scales = vec![0f32; S::T * gpr];
-    // Scale `k` of a tile belongs to its token `k / gpr` (< T ≤ 16).
-    let owner: Vec<u8> = (0..S::T * gpr).map(|k| (k / gpr) as u8).collect();
+    // Scale `k` of a tile belongs to its token `k / gpr` (< T ≤ 16); `gpr`
+    // is at most `nch ≤ MAX_NCH` (groups of whole vectors).
+    let mut owner = [0u8; 16 * MAX_NCH];
+    assert!(S::T * gpr <= owner.len(), "codebook: scales per tile");
+    for (k, o) in owner.iter_mut().enumerate().take(S::T * gpr) {
+        *o = (k / gpr) as u8;
+    }
     let mut acc = Buf::new(if sum { 0 } else { S::T * S::L });
     let acc = acc.m().as_mut_ptr();
     let mut t0 = 0;
@@ -338,8 +344,7 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
         if sum {
             // Each scale times its token's weight, `L` at a time: the
             // weights a table, lane `l` of chunk `k` looking up token
-            // `(k + l) / gpr` (`owner`); scalar, this loop cost a twentieth
-            // of the call.
+            // `(k + l) / gpr` (`owner`).
             let mut w = [0f32; 16];
             w[..n].copy_from_slice(&x[t0..t0 + n]);
             let wt = s.table16(&w);
@@ -398,9 +403,9 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
                         r[j] = s.fma(v, s.bcast(c.add((j * S::L) >> gshift)), r[j]);
                     });
                 } else if PAIR {
-                    // The table scaled once per group (32, 64 or 128
-                    // channels: a constant shift, so each group's product
-                    // is computed once) rather than every vector: the
+                    // The table scaled per group (32, 64 or 128 channels:
+                    // a constant shift, so the group's vectors share one
+                    // product) rather than every looked-up vector: the
                     // same products, so the same bits.
                     macro_rules! scores {
                         ($gs:literal) => {{
