@@ -566,22 +566,22 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
     let pair = HD == 128 && paired::<S>(hd, cpg, bits, book.fp8);
     if one {
         let c = (f16, gshift, pb);
-        let (tb, xo) = ((tbl, fp8), (x, &mut *out));
+        let tb = (tbl, fp8);
         // SAFETY: the caller's contract; `one` adds one query, whole-vector
         // groups and a compile-time head dim of at most `MAX_NCH` vectors;
         // `pair` [`paired`].
         unsafe {
             match bits {
-                2 if pair => one_query::<S, 2, HD, false, true>(s, head, tb, xo.0, xo.1, sum, c),
-                3 if pair => one_query::<S, 3, HD, false, true>(s, head, tb, xo.0, xo.1, sum, c),
-                4 if pair => one_query::<S, 4, HD, false, true>(s, head, tb, xo.0, xo.1, sum, c),
-                2 => one_query::<S, 2, HD, false, false>(s, head, tb, xo.0, xo.1, sum, c),
+                2 if pair => one_query::<S, 2, HD, false, true>(s, head, tb, x, out, sum, c),
+                3 if pair => one_query::<S, 3, HD, false, true>(s, head, tb, x, out, sum, c),
+                4 if pair => one_query::<S, 4, HD, false, true>(s, head, tb, x, out, sum, c),
+                2 => one_query::<S, 2, HD, false, false>(s, head, tb, x, out, sum, c),
                 3 if s.code3_consts(HD).is_some() => {
-                    one_query::<S, 3, HD, true, false>(s, head, tb, xo.0, xo.1, sum, c)
+                    one_query::<S, 3, HD, true, false>(s, head, tb, x, out, sum, c)
                 }
-                3 => one_query::<S, 3, HD, false, false>(s, head, tb, xo.0, xo.1, sum, c),
-                4 => one_query::<S, 4, HD, false, false>(s, head, tb, xo.0, xo.1, sum, c),
-                8 => one_query::<S, 8, HD, false, false>(s, head, tb, xo.0, xo.1, sum, c),
+                3 => one_query::<S, 3, HD, false, false>(s, head, tb, x, out, sum, c),
+                4 => one_query::<S, 4, HD, false, false>(s, head, tb, x, out, sum, c),
+                8 => one_query::<S, 8, HD, false, false>(s, head, tb, x, out, sum, c),
                 _ => unreachable!("codebook: `takes` admits 2, 3, 4 and 8 bits"),
             }
         }
