@@ -168,6 +168,58 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
     }
 }
 
+/// Key outliers before RoPE in blocks of 128 tokens: sinks that put a
+/// block across a coarse row of the rotation tables beyond the fine
+/// table's reach (70: blocks from position 198) split its entries between
+/// two rows; one and four queries per KV head, both pair styles.
+#[test]
+fn pre_rope_outliers_in_long_blocks_attend_as_their_rotated_decode() {
+    let mut rng = Rng::new(21);
+    let (n_kv, hd) = (2, 128);
+    let w = n_kv * hd;
+    let key = Codec::from(QuantScheme::new(2, Axis::PerChannel, Group::Size(128)).unwrap())
+        .with_outliers(0.02)
+        .unwrap();
+    for backend in backends() {
+        for rope in [
+            Rope::new(500_000.0, hd, RopeStyle::Halves),
+            Rope::new(10_000.0, hd, RopeStyle::Adjacent),
+        ] {
+            for (sinks, n_q) in [(0, 2), (3, 8), (70, 2), (70, 8)] {
+                let len = 900;
+                let k = rng.vec(len * w);
+                let v = rng.vec(len * w);
+                let cfg = CacheConfig::new(n_kv, hd)
+                    .key_codec(key)
+                    .values(QuantScheme::new(4, Axis::PerToken, Group::Size(32)).unwrap())
+                    .sinks(sinks)
+                    .backend(backend)
+                    .pre_rope(rope);
+                let mut c = LayerCache::new(cfg).unwrap();
+                c.extend(&k, &v).unwrap();
+                let q = rng.vec(n_q * hd);
+                let mut out = vec![0f32; n_q * hd];
+                c.attend(&q, n_q, &mut out).unwrap();
+                let kr = rotated(&rope, &c.keys_f32(), w, hd, 0);
+                let want = dense_attention(
+                    &q,
+                    n_q,
+                    &kr,
+                    &c.values_f32(),
+                    n_kv,
+                    hd,
+                    1.0 / (hd as f32).sqrt(),
+                );
+                let d = relative(&out, &want);
+                assert!(
+                    d < 1e-4,
+                    "{backend:?} {rope:?} sinks {sinks} n_q {n_q}: {d}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn pre_rope_survives_save_load_fork_and_truncate() {
     let mut rng = Rng::new(21);

@@ -1449,7 +1449,16 @@ impl LayerCache {
                             .copy_from_slice(&s[i * sec.len..(i + 1) * sec.len]);
                     }
                     // Outliers: each entry's share of the rotated key.
-                    rope.add_outlier_scores(view, sec.start, q, rows, hd, &mut out[off..], width);
+                    rope.add_outlier_scores(
+                        self.backend,
+                        view,
+                        sec.start,
+                        q,
+                        rows,
+                        hd,
+                        &mut out[off..],
+                        width,
+                    );
                     continue;
                 }
             }

@@ -10,7 +10,7 @@
 //! post-RoPE as usual.
 
 use super::*;
-use crate::kernels::rope::{RopeRows, ROPE_LO as LO, ROPE_SPILL};
+use crate::kernels::rope::{RopeEntries, RopeRows, ROPE_LO as LO, ROPE_SPILL};
 use crate::store::PackedHead;
 
 /// Which channels of a head RoPE pairs up.
@@ -310,6 +310,7 @@ impl RopeTable {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn add_outlier_scores(
         &self,
+        backend: Backend,
         view: &PackedHead<'_>,
         p0: usize,
         q: &[f32],
@@ -318,12 +319,68 @@ impl RopeTable {
         out: &mut [f32],
         stride: usize,
     ) {
-        let (dims, lanes) = (self.rope.dims, self.lanes());
-        let (lc, ls) = (&self.lo.0[..], &self.lo.1[..]);
-        // Per channel: the fine-table lane that holds its pair's `cos` and
-        // `+sin`, its partner and the partner's sign in `(R(−lo)·x)_c =
-        // x_c·cos + sign·x_partner·sin`. Unrotated channels have none.
-        let chan: Vec<(u32, u32, f32)> = (0..dims)
+        let rr = self.rows();
+        if !kernels::rope::rope_outliers_take(&rr, hd) {
+            return self.add_outlier_scores_any(view, p0, q, rows, hd, out, stride);
+        }
+        let chan = self.channels();
+        let shift = hd.trailing_zeros();
+        let bt = view.layout.block_tokens();
+        let mut turned = (vec![0f32; rows * hd], vec![0f32; rows * hd]);
+        let mut qb = vec![0f32; hd];
+        let mut row = None;
+        crate::quant::outliers::for_each_set(view, |base, pos, cor| {
+            // Positions ascend: the view's entries of the set are a
+            // prefix, and those one coarse row turns a run.
+            let below = |lim: usize| crate::quant::outliers::entries_below(pos, lim);
+            let at = |j: usize| usize::from(u16::from_le_bytes([pos[2 * j], pos[2 * j + 1]]));
+            let tl = (view.tokens - base).min(bt);
+            let (first, end) = (p0 + base, below(tl * hd));
+            let mut j = 0;
+            while j < end {
+                // The coarse row of entry `j`'s position, and the tokens the
+                // fine table reaches from it.
+                let k = (first + (at(j) >> shift)) / LO;
+                let reach = (k * LO + LO + ROPE_SPILL - first).min(tl);
+                let j2 = below(reach * hd);
+                if row != Some(k) {
+                    for i in 0..rows {
+                        let qi = &q[i * hd..(i + 1) * hd];
+                        let (a, b) = (
+                            &mut turned.0[i * hd..(i + 1) * hd],
+                            &mut turned.1[i * hd..(i + 1) * hd],
+                        );
+                        self.turn_back(qi, k, &chan, &mut qb, a, b);
+                    }
+                    row = Some(k);
+                }
+                let e = RopeEntries {
+                    pos: &pos[2 * j..2 * j2],
+                    cor: &cor[2 * j..2 * j2],
+                    shift,
+                };
+                let fine0 = first as isize - (k * LO) as isize;
+                let t = (&turned.0[..], &turned.1[..]);
+                kernels::rope::rope_outliers_on(
+                    backend,
+                    e,
+                    &rr,
+                    fine0,
+                    t,
+                    &mut out[base..],
+                    stride,
+                );
+                j = j2;
+            }
+        });
+    }
+
+    /// Per channel: the fine-table lane that holds its pair's `cos` and
+    /// `+sin`, its partner and the partner's sign in `(R(−lo)·x)_c = x_c·cos
+    /// + sign·x_partner·sin`. Unrotated channels have none.
+    fn channels(&self) -> Vec<(u32, u32, f32)> {
+        let dims = self.rope.dims;
+        (0..dims)
             .map(|c| {
                 let (lane, partner, first) = if self.adjacent() {
                     (c | 1, c ^ 1, c % 2 == 0)
@@ -334,22 +391,39 @@ impl RopeTable {
                 };
                 (lane as u32, partner as u32, if first { 1.0 } else { -1.0 })
             })
-            .collect();
+            .collect()
+    }
+
+    /// [`add_outlier_scores`](Self::add_outlier_scores) for any rotation
+    /// (partial rotary, any head dim), entry by entry.
+    #[allow(clippy::too_many_arguments)]
+    fn add_outlier_scores_any(
+        &self,
+        view: &PackedHead<'_>,
+        p0: usize,
+        q: &[f32],
+        rows: usize,
+        hd: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let lanes = self.lanes();
+        let (lc, ls) = (&self.lo.0[..], &self.lo.1[..]);
+        let chan = self.channels();
         // One coarse row's entries as (token, channel, r·cos, r·sin), then
         // row by row (entry by entry, many rows' scores would lie a row of
-        // tokens apart, in the same L1 sets); the turned queries as `(x_c,
-        // sign·x_partner)` per channel.
+        // tokens apart, in the same L1 sets); the turned queries as `x_c`
+        // and `sign·x_partner` per channel.
         let mut ents: Vec<(u32, u32, f32, f32)> = Vec::new();
-        let mut turned = vec![(0f32, 0f32); hd];
+        let (mut ta, mut tb) = (vec![0f32; hd], vec![0f32; hd]);
         let mut qb = vec![0f32; hd];
         let mut flush = |k: usize, ents: &mut Vec<(u32, u32, f32, f32)>| {
             for i in 0..rows {
                 let qi = &q[i * hd..(i + 1) * hd];
-                self.turn_back(qi, k, &chan, &mut qb, &mut turned);
+                self.turn_back(qi, k, &chan, &mut qb, &mut ta, &mut tb);
                 let oi = &mut out[i * stride..];
                 for &(t, c, wc, ws) in ents.iter() {
-                    let (a, b) = turned[c as usize];
-                    oi[t as usize] += a * wc + b * ws;
+                    oi[t as usize] += ta[c as usize] * wc + tb[c as usize] * ws;
                 }
             }
             ents.clear();
@@ -379,17 +453,18 @@ impl RopeTable {
         }
     }
 
-    /// `out[c] = ((R(−hi)·q)_c, sign_c·(R(−hi)·q)_partner(c))` for the
-    /// coarse row `k` (`hi = k·256`), `chan` as in
-    /// [`add_outlier_scores`](Self::add_outlier_scores); channels beyond
-    /// it as `(q_c, 0)`. `qb` is scratch of `hd` floats.
+    /// `a[c] = (R(−hi)·q)_c` and `b[c] = sign_c·(R(−hi)·q)_partner(c)` for
+    /// the coarse row `k` (`hi = k·256`), `chan` from
+    /// [`channels`](Self::channels); channels beyond it `(q_c, 0)`. `qb` is
+    /// scratch of `hd` floats.
     fn turn_back(
         &self,
         q: &[f32],
         k: usize,
         chan: &[(u32, u32, f32)],
         qb: &mut [f32],
-        out: &mut [(f32, f32)],
+        a: &mut [f32],
+        b: &mut [f32],
     ) {
         let lanes = self.lanes();
         let (hc, hs) = (
@@ -397,16 +472,16 @@ impl RopeTable {
             &self.hi.1[k * lanes..(k + 1) * lanes],
         );
         // `(R(−hi)·q)_c = q_c·cos + sign·q_partner·sin`, as for `lo`.
-        for (c, b) in qb.iter_mut().enumerate() {
-            *b = match chan.get(c) {
+        for (c, o) in qb.iter_mut().enumerate() {
+            *o = match chan.get(c) {
                 Some(&(lane, partner, sign)) => {
                     q[c] * hc[lane as usize] + sign * q[partner as usize] * hs[lane as usize]
                 }
                 None => q[c],
             };
         }
-        for (c, o) in out.iter_mut().enumerate() {
-            *o = match chan.get(c) {
+        for (c, (a, b)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
+            (*a, *b) = match chan.get(c) {
                 Some(&(_, partner, sign)) => (qb[c], sign * qb[partner as usize]),
                 None => (qb[c], 0.0),
             };

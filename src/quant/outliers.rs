@@ -524,6 +524,35 @@ pub(crate) fn for_each(head: &PackedHead<'_>, f: impl FnMut(usize, usize, f32)) 
     }
 }
 
+/// Calls `f(first token, positions, corrections)` for each set of `head`
+/// that starts in the view, with the set's bytes as stored (positions
+/// ascending; entries past the view's tokens included).
+pub(crate) fn for_each_set(head: &PackedHead<'_>, mut f: impl FnMut(usize, &[u8], &[u8])) {
+    let Some(s) = Sets::new(head) else { return };
+    for (k, set) in s.bytes.chunks_exact(s.n * OUTLIER_BYTES).enumerate() {
+        let base = k * s.bt;
+        if base >= s.tokens {
+            break;
+        }
+        let (pos, cor) = set.split_at(2 * s.n);
+        f(base, pos, cor);
+    }
+}
+
+/// How many of a set's ascending positions (`u16` each) lie below `lim`.
+pub(crate) fn entries_below(pos: &[u8], lim: usize) -> usize {
+    let (mut lo, mut hi) = (0, pos.len() / 2);
+    while lo < hi {
+        let m = (lo + hi) / 2;
+        if usize::from(u16::from_le_bytes([pos[2 * m], pos[2 * m + 1]])) < lim {
+            lo = m + 1;
+        } else {
+            hi = m;
+        }
+    }
+    lo
+}
+
 /// `out[t·hd + c] += correction` for each entry: a decode's last step.
 pub(crate) fn add_to_rows(head: &PackedHead<'_>, out: &mut [f32]) {
     let hd = head.layout.head_dim();

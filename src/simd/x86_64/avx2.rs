@@ -304,6 +304,16 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_or_si256(a, b) }
     }
     #[inline(always)]
+    fn add_i(self, a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: AVX2.
+        unsafe { _mm256_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    fn splat_i(self, x: u32) -> __m256i {
+        // SAFETY: AVX.
+        unsafe { _mm256_set1_epi32(x as i32) }
+    }
+    #[inline(always)]
     fn select(self, m: u32, a: __m256i, b: __m256i) -> __m256i {
         // SAFETY: AVX2.
         unsafe {
@@ -447,5 +457,11 @@ unsafe impl Simd for Avx2 {
         // SAFETY: the caller's contract (32 bytes); `loadu` has no
         // alignment requirement; AVX.
         unsafe { _mm256_loadu_ps(p as *const f32) }
+    }
+    #[inline(always)]
+    unsafe fn gather(self, base: *const f32, idx: __m256i) -> __m256 {
+        // SAFETY: the caller's contract (every lane's address readable);
+        // AVX2.
+        unsafe { _mm256_i32gather_ps::<4>(base, idx) }
     }
 }

@@ -294,6 +294,16 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_or_si512(a, b) }
     }
     #[inline(always)]
+    fn add_i(self, a: __m512i, b: __m512i) -> __m512i {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    fn splat_i(self, x: u32) -> __m512i {
+        // SAFETY: AVX-512F.
+        unsafe { _mm512_set1_epi32(x as i32) }
+    }
+    #[inline(always)]
     fn select(self, m: u32, a: __m512i, b: __m512i) -> __m512i {
         // SAFETY: AVX-512F. One `vpternlogd`: `m ? a : b` per bit.
         unsafe { _mm512_ternarylogic_epi32::<0xE4>(a, b, _mm512_set1_epi32(m as i32)) }
@@ -455,5 +465,11 @@ unsafe impl Simd for Avx512 {
         // SAFETY: the caller's contract (64 bytes); `loadu` has no
         // alignment requirement; AVX-512F.
         unsafe { _mm512_loadu_ps(p as *const f32) }
+    }
+    #[inline(always)]
+    unsafe fn gather(self, base: *const f32, idx: __m512i) -> __m512 {
+        // SAFETY: the caller's contract (every lane's address readable);
+        // AVX-512F.
+        unsafe { _mm512_i32gather_ps::<4>(idx, base) }
     }
 }

@@ -171,6 +171,10 @@ pub(crate) unsafe trait Simd: Copy {
     fn shr_pair_mask(self, v: Self::I, a: u32, b: u32, mask: u32, sh: u32) -> Self::I;
     /// Bitwise or.
     fn or(self, a: Self::I, b: Self::I) -> Self::I;
+    /// `a + b` lanewise, wrapping.
+    fn add_i(self, a: Self::I, b: Self::I) -> Self::I;
+    /// `x` in every lane.
+    fn splat_i(self, x: u32) -> Self::I;
     /// Bitwise `(a & m) | (b & !m)`, `m` in every lane.
     fn select(self, m: u32, a: Self::I, b: Self::I) -> Self::I;
     /// The lanes' bits read as floats (no conversion).
@@ -250,6 +254,11 @@ pub(crate) unsafe trait Simd: Copy {
     /// # Safety
     /// `p` valid for reading `4·L` bytes.
     unsafe fn load_f32_bytes(self, p: *const u8) -> Self::F;
+    /// Lane `l` of the result is `*base.offset(idx[l])` (indices as
+    /// signed 32-bit integers): a gather.
+    /// # Safety
+    /// `base.offset(idx[l])` valid for reading one float for every lane.
+    unsafe fn gather(self, base: *const f32, idx: Self::I) -> Self::F;
 }
 
 #[cfg(test)]
@@ -295,10 +304,26 @@ mod tests {
         for (l, &i) in idx.iter().enumerate() {
             assert_eq!(out[l].to_bits(), (t[i as usize] * c).to_bits(), "scale16");
         }
+        // Wrapping adds, splats and gathers at signed offsets.
+        let sum = s.add_i(a, s.splat_i(u32::MAX - 5));
+        let want: Vec<u32> = la.iter().map(|&x| x.wrapping_sub(6)).collect();
+        assert_eq!(lanes(s, sum), want, "add_i, splat_i");
+        let table: Vec<f32> = (0..40).map(|k| k as f32 * 1.5 - 7.0).collect();
+        let back: Vec<i32> = (0..S::L as i32).map(|l| -(l * 3 % 20)).collect();
+        let base = table.as_ptr().wrapping_add(20);
+        // SAFETY: `back` holds `L` integers; every `20 + back[l]` indexes
+        // `table`, and `out` holds 16 ≥ L floats.
+        unsafe {
+            let idx = s.load_i(back.as_ptr() as *const f32);
+            s.store(out.as_mut_ptr(), s.gather(base, idx));
+        }
+        for (l, &b) in back.iter().enumerate() {
+            assert_eq!(out[l], table[(20 + b) as usize], "gather");
+        }
     }
 
     #[test]
-    fn u16_loads_select_and_scaled_tables_match_their_definitions() {
+    fn u16_loads_select_scaled_tables_adds_and_gathers_match_their_definitions() {
         let mut ran = false;
         if let Some(s) = Avx2::new() {
             widen_and_select(s);

@@ -4,7 +4,7 @@
 //! shapes whose rotation covers the head ([`rope_scores_fused`]).
 
 use super::*;
-use crate::kernels::rope::{RopeRows, ROPE_LO, ROPE_SPILL};
+use crate::kernels::rope::{RopeEntries, RopeRows, ROPE_LO, ROPE_SPILL};
 
 /// Whether the SIMD kernel takes this head and rotation: whole vectors per
 /// head, and per rotated half (pairs `(i, i + dims/2)`) or per rotated
@@ -534,4 +534,73 @@ unsafe fn fused_rope_tile<S: Simd, const B: u8, const HD: usize>(
     }
     // SAFETY: the caller's contract.
     unsafe { zero_tail(s, accbuf, nq, n) };
+}
+
+/// Entries `0..n` (`n` a multiple of `L`) of
+/// `kernels::rope::rope_outliers_on`, a vector of entries at a time: the
+/// positions and corrections widened, each entry's fine lane and turned
+/// channels gathered, the products added into the scores entry by entry
+/// (entries of one token follow each other, so a scatter would collide).
+///
+/// # Safety
+/// `rope_outliers_on`'s assertions hold: the shape, `turned` `[rows, hd]`
+/// each, and for every entry of `e` its fine row `fine0 + t` inside the
+/// fine tables and `(rows − 1)·stride + t` inside `out`; `n` at most the
+/// entries.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn rope_outliers<S: Simd>(
+    s: S,
+    e: RopeEntries<'_>,
+    n: usize,
+    rope: &RopeRows<'_>,
+    fine0: isize,
+    turned: (&[f32], &[f32]),
+    out: &mut [f32],
+    stride: usize,
+) {
+    let hd = 1usize << e.shift;
+    let lanes = rope.lanes;
+    let rows = turned.0.len() / hd;
+    let (fc, fs) = (rope.lo.0.as_ptr(), rope.lo.1.as_ptr());
+    let (ta, tb, op) = (turned.0.as_ptr(), turned.1.as_ptr(), out.as_mut_ptr());
+    // An entry's fine lane, `(fine0 + t)·lanes + lane(c)`: with halves
+    // (`hd = 2·lanes`) `t·lanes` is `pos >> 1` without its low lane bits,
+    // with adjacent pairs (`lanes = hd`) `t·lanes + (c | 1)` is `pos | 1`.
+    let row0 = s.splat_i((fine0 * lanes as isize) as u32);
+    let lane_bits = lanes as u32 - 1;
+    let (mut tok, mut val) = ([0u32; 16], [0f32; 16]);
+    let mut j = 0;
+    while j < n {
+        // SAFETY: entries `j..j + L` exist (`n` a multiple of `L`, at most
+        // the entries); the gathered lanes are in the tables and the
+        // turned rows, and the tokens in `out`, by the caller's contract.
+        unsafe {
+            let p = s.load_u16(e.pos.as_ptr().add(2 * j));
+            let r = s.load_f16(e.cor.as_ptr().add(2 * j));
+            let c = s.shr_mask(p, 0, hd as u32 - 1);
+            let l = if rope.adjacent {
+                s.or(p, s.splat_i(1))
+            } else {
+                s.or(s.shr_mask(p, 1, !lane_bits), s.shr_mask(p, 0, lane_bits))
+            };
+            let l = s.add_i(l, row0);
+            let (wc, ws) = (s.gather(fc, l), s.gather(fs, l));
+            s.store_i(
+                tok.as_mut_ptr() as *mut f32,
+                s.shr_mask(p, e.shift as i32, u32::MAX),
+            );
+            for i in 0..rows {
+                let a = s.gather(ta.add(i * hd), c);
+                let b = s.gather(tb.add(i * hd), c);
+                let v = s.mul(r, s.add(s.mul(a, wc), s.mul(b, ws)));
+                s.store(val.as_mut_ptr(), v);
+                let o = op.add(i * stride);
+                for k in 0..S::L {
+                    *o.add(tok[k] as usize) += val[k];
+                }
+            }
+        }
+        j += S::L;
+    }
 }
