@@ -44,6 +44,25 @@ fn relative(a: &[f32], b: &[f32]) -> f32 {
     max_abs_diff(a, b) / scale
 }
 
+/// The relative error of `c.attend` (pre-RoPE keys) against dense
+/// attention over its decoded keys rotated by the reference.
+fn decode_error(c: &LayerCache, rope: &Rope, q: &[f32], n_q: usize) -> f32 {
+    let (n_kv, hd) = (c.config().n_kv_heads(), c.config().head_dim());
+    let mut out = vec![0f32; n_q * hd];
+    c.attend(q, n_q, &mut out).unwrap();
+    let kr = rotated(rope, &c.keys_f32(), n_kv * hd, hd, 0);
+    let want = dense_attention(
+        q,
+        n_q,
+        &kr,
+        &c.values_f32(),
+        n_kv,
+        hd,
+        1.0 / (hd as f32).sqrt(),
+    );
+    relative(&out, &want)
+}
+
 #[test]
 fn full_precision_pre_rope_attends_as_post_rope_keys() {
     let mut rng = Rng::new(3);
@@ -144,19 +163,7 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
             }
             assert_eq!(c.len(), len);
             let q = rng.vec(n_q * hd);
-            let mut out = vec![0f32; n_q * hd];
-            c.attend(&q, n_q, &mut out).unwrap();
-            let kr = rotated(&rope, &c.keys_f32(), w, hd, 0);
-            let want = dense_attention(
-                &q,
-                n_q,
-                &kr,
-                &c.values_f32(),
-                n_kv,
-                hd,
-                1.0 / (hd as f32).sqrt(),
-            );
-            let d = relative(&out, &want);
+            let d = decode_error(&c, &rope, &q, n_q);
             assert!(d < 1e-4, "{backend:?} {key:?}: {d}");
             // And the quantized keys are closer to the truth pre-RoPE.
             let kd = c.keys_f32();
@@ -198,19 +205,7 @@ fn pre_rope_outliers_in_long_blocks_attend_as_their_rotated_decode() {
                 let mut c = LayerCache::new(cfg).unwrap();
                 c.extend(&k, &v).unwrap();
                 let q = rng.vec(n_q * hd);
-                let mut out = vec![0f32; n_q * hd];
-                c.attend(&q, n_q, &mut out).unwrap();
-                let kr = rotated(&rope, &c.keys_f32(), w, hd, 0);
-                let want = dense_attention(
-                    &q,
-                    n_q,
-                    &kr,
-                    &c.values_f32(),
-                    n_kv,
-                    hd,
-                    1.0 / (hd as f32).sqrt(),
-                );
-                let d = relative(&out, &want);
+                let d = decode_error(&c, &rope, &q, n_q);
                 assert!(
                     d < 1e-4,
                     "{backend:?} {rope:?} sinks {sinks} n_q {n_q}: {d}"
