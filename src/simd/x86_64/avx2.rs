@@ -203,10 +203,17 @@ unsafe impl Simd for Avx2 {
     }
     #[inline(always)]
     fn field_f32<const P: u32>(self, v: __m256i) -> __m256 {
+        self.field_at_f32::<P, 0>(v)
+    }
+    #[inline(always)]
+    fn field_at_f32<const P: u32, const SH: u32>(self, v: __m256i) -> __m256 {
         // SAFETY: AVX2. (A table permute would work for fields of up to 3
         // bits, but 256-bit converts issue on two ports and `vpermps` on
-        // one, so mask and convert is faster here.)
-        unsafe { _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32((1 << P) - 1))) }
+        // one, so shift, mask and convert is faster here.)
+        unsafe {
+            let v = _mm256_srlv_epi32(v, _mm256_set1_epi32(SH as i32));
+            _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32((1 << P) - 1)))
+        }
     }
     #[inline(always)]
     fn shr_mask(self, v: __m256i, sh: i32, mask: u32) -> __m256i {

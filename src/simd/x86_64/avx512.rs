@@ -246,21 +246,17 @@ unsafe impl Simd for Avx512 {
     }
     #[inline(always)]
     fn field_f32<const P: u32>(self, v: __m512i) -> __m512 {
-        // SAFETY: AVX-512F. `vpermps` reads the low 4 bits of each index:
-        // entry `i` of the table is `i & (2^P − 1)`.
-        unsafe {
-            let t = _mm512_setr_ps(
-                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
-                15.0,
-            );
-            let t = if P >= 4 {
-                t
-            } else {
-                let mask = _mm512_set1_epi32((1 << P) - 1);
-                _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_cvttps_epi32(t), mask))
-            };
-            _mm512_permutexvar_ps(v, t)
-        }
+        self.field_at_f32::<P, 0>(v)
+    }
+    #[inline(always)]
+    fn field_at_f32<const P: u32, const SH: u32>(self, v: __m512i) -> __m512 {
+        debug_assert!(SH + P <= 4);
+        // Entry `i` of the table is `(i >> SH) & (2^P − 1)`; a constant the
+        // compiler folds.
+        let t: [f32; 16] = std::array::from_fn(|i| ((i as u32 >> SH) & ((1 << P) - 1)) as f32);
+        // SAFETY: AVX-512F; `t` holds 16 floats. `vpermps` reads the low 4
+        // bits of each index, which hold the field (`SH + P ≤ 4`).
+        unsafe { _mm512_permutexvar_ps(v, _mm512_loadu_ps(t.as_ptr())) }
     }
     #[inline(always)]
     fn shr_mask(self, v: __m512i, sh: i32, mask: u32) -> __m512i {

@@ -155,6 +155,11 @@ pub(crate) unsafe trait Simd: Copy {
     /// permute where the ISA's permute indexes enough entries (no mask
     /// and no convert needed).
     fn field_f32<const P: u32>(self, v: Self::I) -> Self::F;
+    /// `((v >> SH) & (2^P − 1))` as floats, for `SH + P ≤ 4`: a field of
+    /// the low nibble. Where the permute indexes 16 entries this is one
+    /// table lookup (no shift, mask or convert), so the two fields of a
+    /// nibble cost no more than its low one.
+    fn field_at_f32<const P: u32, const SH: u32>(self, v: Self::I) -> Self::F;
     /// Lane `l` of the result is lane `idx[l]` of `table` (`idx[l] < L`).
     fn permute(self, table: Self::F, idx: Self::I) -> Self::F;
     /// The 16 entries of `t` in registers.
@@ -304,6 +309,27 @@ mod tests {
         for (l, &i) in idx.iter().enumerate() {
             assert_eq!(out[l].to_bits(), (t[i as usize] * c).to_bits(), "scale16");
         }
+        // The fields of a nibble, from lanes whose higher bits are set too.
+        let all: Vec<u8> = (0..S::L).map(|l| (l * 53 + 201) as u8).collect();
+        // SAFETY: `all` holds `L` bytes.
+        let v = unsafe { s.load_u8(all.as_ptr()) };
+        let fields: [(u32, u32, S::F); 7] = [
+            (1, 0, s.field_at_f32::<1, 0>(v)),
+            (1, 1, s.field_at_f32::<1, 1>(v)),
+            (1, 3, s.field_at_f32::<1, 3>(v)),
+            (2, 0, s.field_at_f32::<2, 0>(v)),
+            (2, 2, s.field_at_f32::<2, 2>(v)),
+            (3, 1, s.field_at_f32::<3, 1>(v)),
+            (4, 0, s.field_at_f32::<4, 0>(v)),
+        ];
+        for (p, sh, got) in fields {
+            // SAFETY: `out` holds 16 ≥ L floats.
+            unsafe { s.store(out.as_mut_ptr(), got) };
+            for (l, &b) in all.iter().enumerate() {
+                let want = ((b as u32 >> sh) & ((1 << p) - 1)) as f32;
+                assert_eq!(out[l], want, "field_at_f32::<{p}, {sh}> of {b}");
+            }
+        }
         // Wrapping adds, splats and gathers at signed offsets.
         let sum = s.add_i(a, s.splat_i(u32::MAX - 5));
         let want: Vec<u32> = la.iter().map(|&x| x.wrapping_sub(6)).collect();
@@ -323,7 +349,7 @@ mod tests {
     }
 
     #[test]
-    fn u16_loads_select_scaled_tables_adds_and_gathers_match_their_definitions() {
+    fn u16_loads_select_scaled_tables_fields_adds_and_gathers_match_their_definitions() {
         let mut ran = false;
         if let Some(s) = Avx2::new() {
             widen_and_select(s);

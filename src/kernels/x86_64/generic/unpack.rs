@@ -594,12 +594,23 @@ pub(crate) unsafe fn codes_f32<S: Simd, const B: u8>(
 pub(crate) unsafe fn pf<S: Simd, const P: u32>(s: S, src: *const u8, m: usize, j: usize) -> S::F {
     let e = j * S::L;
     if m.is_multiple_of(S::L) {
-        let f = e / m;
+        let bit = P * (e / m) as u32;
         // SAFETY: bytes `e mod m .. + L ≤ m`.
         let v = unsafe { s.load_u8(src.add(e % m)) };
-        // The field's bits at the bottom; the higher fields above are
-        // ignored by `field_f32`.
-        s.field_f32::<P>(s.shr_mask(v, (P * f as u32) as i32, u32::MAX))
+        // The field's nibble at the bottom (the higher bits are ignored),
+        // then the field within it: the two fields of a 2-bit nibble (four
+        // of a 1-bit one) share one shift, and the low nibble needs none.
+        let v = match bit / 4 {
+            0 => v,
+            k => s.shr_mask(v, 4 * k as i32, u32::MAX),
+        };
+        match (P, bit % 4) {
+            (1, 1) => s.field_at_f32::<P, 1>(v),
+            (1, 3) => s.field_at_f32::<P, 3>(v),
+            (1 | 2, 2) => s.field_at_f32::<P, 2>(v),
+            // `P` divides 4, so the field never crosses the nibble.
+            _ => s.field_at_f32::<P, 0>(v),
+        }
     } else {
         // SAFETY: as `pv`.
         s.cvt(unsafe { pv::<S, P, 0>(s, src, m, j) })
