@@ -370,7 +370,7 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
         unsafe {
             // Held in registers for the tile: the loop has no calls.
             let mut r = [s.zero(); MAX_NCH];
-            unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+            unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
                 r[j] = s.load(rp.add(j * S::L));
             });
             let (tile, stride) = match &mut t3 {
@@ -398,7 +398,7 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
                     [s.zero_i(); 8]
                 };
                 if sum {
-                    unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                    unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
                         let v = vec_at!(row, ix, j);
                         r[j] = s.fma(v, s.bcast(c.add((j * S::L) >> gshift)), r[j]);
                     });
@@ -410,7 +410,7 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
                     macro_rules! scores {
                         ($gs:literal) => {{
                             let mut a = s.zero();
-                            unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                            unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
                                 let tg = s.scale16(tbl, s.bcast(c.add((j * S::L) >> $gs)));
                                 a = s.fma(s.lut16(tg, ix[j % 8]), r[j], a);
                             });
@@ -424,7 +424,7 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
                     }
                 } else {
                     let mut a = s.zero();
-                    unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                    unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
                         let v = vec_at!(row, ix, j);
                         let v = s.mul(v, s.bcast(c.add((j * S::L) >> gshift)));
                         a = s.fma(v, r[j], a);
@@ -433,7 +433,7 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
                 }
             }
             if sum {
-                unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
                     s.store(op.add(j * S::L), r[j]);
                 });
             }

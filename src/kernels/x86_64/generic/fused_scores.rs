@@ -34,7 +34,7 @@ pub(crate) unsafe fn fused_scores_tile<
     // the FMAs, were the bound).
     let mut q1 = [s.zero(); MAX_NCH];
     if nq == 1 {
-        unroll!(cap = row_vectors::<S, HD>(); j in 0, g.nch => {
+        unroll!(32 max row_vectors::<S, HD>(); j in 0, g.nch => {
             // SAFETY: the caller's contract: `q` holds `hdp ≥ nch·L` floats.
             q1[j] = unsafe { s.load(q.add(j * S::L)) };
         });
@@ -55,14 +55,14 @@ pub(crate) unsafe fn fused_scores_tile<
             unsafe {
                 let (ra, rb) = (rows.add(tt * g.rb), rows.add((tt + 1) * g.rb));
                 let (mut xa, mut xb) = ([s.zero(); MAX_NCH], [s.zero(); MAX_NCH]);
-                unroll!(cap = row_vectors::<S, HD>(); j in 0, g.nch => {
+                unroll!(32 max row_vectors::<S, HD>(); j in 0, g.nch => {
                     xa[j] = row_vec::<S, B, D, NIB>(s, g, d, ra, tt, j);
                     xb[j] = row_vec::<S, B, D, NIB>(s, g, d, rb, tt + 1, j);
                 });
                 for i in 0..nq {
                     let qi = q.add(i * g.hdp);
                     let (mut a, mut b) = ([s.zero(); 2], [s.zero(); 2]);
-                    unroll!(cap = row_vectors::<S, HD>(); j in 0, g.nch => {
+                    unroll!(32 max row_vectors::<S, HD>(); j in 0, g.nch => {
                         let qv = s.load(qi.add(j * S::L));
                         a[j % 2] = s.fma(xa[j], qv, a[j % 2]);
                         b[j % 2] = s.fma(xb[j], qv, b[j % 2]);
@@ -81,14 +81,14 @@ pub(crate) unsafe fn fused_scores_tile<
             let row = rows.add(tt * g.rb);
             if nq == 1 {
                 let mut a = [s.zero(); 2];
-                unroll!(cap = row_vectors::<S, HD>(); j in 0, g.nch => {
+                unroll!(32 max row_vectors::<S, HD>(); j in 0, g.nch => {
                     let x = row_vec::<S, B, D, NIB>(s, g, d, row, tt, j);
                     a[j % 2] = s.fma(x, q1[j], a[j % 2]);
                 });
                 s.store(accbuf.add(tt * S::L), s.add(a[0], a[1]));
             } else {
                 let mut xs = [s.zero(); MAX_NCH];
-                unroll!(cap = row_vectors::<S, HD>(); j in 0, g.nch => {
+                unroll!(32 max row_vectors::<S, HD>(); j in 0, g.nch => {
                     xs[j] = row_vec::<S, B, D, NIB>(s, g, d, row, tt, j);
                 });
                 row_into_queries::<S, HD>(s, &xs, g, q, nq, accbuf, tt);
@@ -122,7 +122,7 @@ pub(crate) unsafe fn row_into_queries<S: Simd, const HD: usize>(
         unsafe {
             let qi = q.add(i * g.hdp);
             let mut a = [s.zero(); 2];
-            unroll!(cap = row_vectors::<S, HD>(); j in 0, g.nch => {
+            unroll!(32 max row_vectors::<S, HD>(); j in 0, g.nch => {
                 a[j % 2] = s.fma(xs[j], s.load(qi.add(j * S::L)), a[j % 2]);
             });
             s.store(accbuf.add((i * S::T + tt) * S::L), s.add(a[0], a[1]));
@@ -145,9 +145,8 @@ pub(crate) unsafe fn zero_tail<S: Simd>(s: S, accbuf: *mut f32, nq: usize, n: us
 }
 
 /// Vectors of a row of `HD` channels (`HD > 0`), or the most any row of
-/// the fused kernels has: the copies [`unroll!`] makes of a loop over a
-/// row. Only as many as the compiled shape needs: every copy is a guarded
-/// block, and the optimizer's time grows faster than their number.
+/// the fused kernels has: the bound of an [`unroll!`] over a row, so an
+/// instance compiles only the copies its shape needs.
 pub(crate) const fn row_vectors<S: Simd, const HD: usize>() -> usize {
     if HD > 0 {
         HD.div_ceil(S::L)

@@ -427,7 +427,7 @@ unsafe fn fused_rope_tile_one<S: Simd, const B: u8, const HD: usize>(
     let (lanes, half, m) = (rope.lanes, g.nch / 2, g.hd / 2);
     let mut f = [[s.zero(); MAX_NCH]; 6];
     for (k, fk) in f.iter_mut().enumerate() {
-        unroll!(cap = row_vectors::<S, HD>() / 2; j in 0, half => {
+        unroll!(16 max row_vectors::<S, HD>() / 2; j in 0, half => {
             // SAFETY: the caller's contract: `fold` holds 6 runs of `HD/2`.
             fk[j] = unsafe { s.load(fold.add(k * m + j * S::L)) };
         });
@@ -441,7 +441,7 @@ unsafe fn fused_rope_tile_one<S: Simd, const B: u8, const HD: usize>(
             let row = rows.add(tt * g.rb);
             let l = (lo0 + tt) * lanes;
             let mut acc = [s.zero(); 2];
-            unroll!(cap = row_vectors::<S, HD>() / 2; j in 0, half => {
+            unroll!(16 max row_vectors::<S, HD>() / 2; j in 0, half => {
                 let ca = row_vec::<S, B, Raw, false>(s, g, Raw, row, tt, j);
                 let cb = row_vec::<S, B, Raw, false>(s, g, Raw, row, tt, j + half);
                 let u = s.fma(f[0][j], ca, s.fma(f[1][j], cb, f[4][j]));
@@ -487,7 +487,7 @@ unsafe fn fused_rope_tile<S: Simd, const B: u8, const HD: usize>(
     // One query: its vectors in registers for the whole tile.
     let mut q1 = [s.zero(); MAX_NCH];
     if nq == 1 {
-        unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+        unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
             // SAFETY: `q` holds `HD = nch·L` floats.
             q1[j] = unsafe { s.load(q.add(j * S::L)) };
         });
@@ -500,21 +500,21 @@ unsafe fn fused_rope_tile<S: Simd, const B: u8, const HD: usize>(
         unsafe {
             let row = rows.add(tt * g.rb);
             let mut xs = [s.zero(); MAX_NCH];
-            unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+            unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
                 xs[j] = row_vec::<S, B, Rows, false>(s, g, d, row, tt, j);
             });
             let l = (lo0 + tt) * lanes;
             if adjacent {
                 // `x'_c = x_c·C_c + x_{c^1}·S_c` (S negated on the first
                 // channel of a pair), as `rope_tile`.
-                unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
                     let (c, sn) = (s.load(loc.add(l + j * S::L)), s.load(los.add(l + j * S::L)));
                     let a = xs[j];
                     xs[j] = s.fma(a, c, s.mul(s.permute(a, swap), sn));
                 });
             } else {
                 // Pairs `(c, c + HD/2)`: vectors `j` and `j + nch/2`.
-                unroll!(cap = row_vectors::<S, HD>(); j in 0, half => {
+                unroll!(32 max row_vectors::<S, HD>(); j in 0, half => {
                     let (c, sn) = (s.load(loc.add(l + j * S::L)), s.load(los.add(l + j * S::L)));
                     let (a, b) = (xs[j], xs[j + half]);
                     xs[j] = s.sub(s.mul(a, c), s.mul(b, sn));
@@ -523,7 +523,7 @@ unsafe fn fused_rope_tile<S: Simd, const B: u8, const HD: usize>(
             }
             if nq == 1 {
                 let mut a = [s.zero(); 2];
-                unroll!(cap = row_vectors::<S, HD>(); j in 0, nch => {
+                unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
                     a[j % 2] = s.fma(xs[j], q1[j], a[j % 2]);
                 });
                 s.store(accbuf.add(tt * S::L), s.add(a[0], a[1]));

@@ -24,16 +24,16 @@ pub(crate) unsafe fn transpose_blocks<S: Simd>(
             // `src`; row `j0 + k < cb`, columns `i0..i0 + L ≤ rb` of `dst`
             // (the caller's extents).
             unsafe {
-                unroll!(cap = 16; k in 0, S::L => {
+                unroll!(16 max S::L; k in 0, S::L => {
                     a[k] = s.load(sp.add((i0 + k) * lds + j0));
                 });
                 s.transpose(&mut a);
                 if add {
-                    unroll!(cap = 16; k in 0, S::L => {
+                    unroll!(16 max S::L; k in 0, S::L => {
                         a[k] = s.add(a[k], s.load(dp.add((j0 + k) * ldd + i0)));
                     });
                 }
-                unroll!(cap = 16; k in 0, S::L => {
+                unroll!(16 max S::L; k in 0, S::L => {
                     s.store(dp.add((j0 + k) * ldd + i0), a[k]);
                 });
             }

@@ -473,8 +473,35 @@ pub(crate) unsafe fn zero_sums<S: Simd>(
 #[inline(always)]
 fn byte_block<S: Simd, const B: u8, const NQ: usize>(g: Geo) -> usize {
     let nf = 8 / B as usize;
-    let jb = (S::REGS / 2 / NQ).max(1);
-    (jb / nf).max(1).min((g.nch / nf).max(1))
+    byte_block_max::<S, B, NQ>().min((g.nch / nf).max(1))
+}
+
+/// Fields per code byte of `B`-bit codes (`B` = 0, the any-width
+/// instance: 1).
+const fn fields<const B: u8>() -> usize {
+    8 / if B == 0 { 8 } else { B as usize }
+}
+
+/// The most byte vectors [`byte_block`] gives for any geometry: the
+/// compile-time bound of the unrolled block loops (their copies are
+/// emitted before the bounds fold, and the instances multiply: a loose
+/// bound costs compile time and memory, not run time).
+const fn byte_block_max<S: Simd, const B: u8, const NQ: usize>() -> usize {
+    let nf = fields::<B>();
+    let jb = if S::REGS / 2 / NQ == 0 {
+        1
+    } else {
+        S::REGS / 2 / NQ
+    };
+    // At most 8 (what `byte_vectors` accepts; 8-bit rows, which never
+    // take this path, would give 16).
+    if jb / nf == 0 {
+        1
+    } else if jb / nf > 8 {
+        8
+    } else {
+        jb / nf
+    }
 }
 
 /// Whether a 2- or 4-bit head of geometry `g` and scale format `fmt` fits
@@ -715,9 +742,9 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 let mut jj0 = 0;
                 while jj0 < h {
                     let mut a = [[s.zero(); 16]; NQ];
-                    unroll!(cap = NQ; i in 0, NQ => {
-                        unroll!(4; f in 0, nf => {
-                            unroll!(8; k in 0, bb => {
+                    unroll!(8 max NQ; i in 0, NQ => {
+                        unroll!(4 max fields::<B>(); f in 0, nf => {
+                            unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
                                 let o = i * hdp + (jj0 + k + f * h) * S::L;
                                 a[i][f * fs + k] = s.load(acc.as_ptr().add(o));
                             });
@@ -733,25 +760,25 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         let zr = zt.add(tt * ne + jj0);
                         let mut pb = [s.zero(); NQ];
                         if fold {
-                            unroll!(cap = NQ; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                            unroll!(8 max NQ; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
                         }
                         // One widening per byte vector; field `f` (vector
                         // `jj + f·h`) is `v_f − v_{f−1}` of the masked
                         // prefixes, exact and `2^{B·f}` times the field.
-                        unroll!(8; k in 0, bb => {
+                        unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
                             let bytes = s.load_u8(row.add(k * S::L));
                             let mut v = [s.zero(); 4];
                             let mut x = [s.zero(); 4];
-                            unroll!(4; f in 0, nf => {
+                            unroll!(4 max fields::<B>(); f in 0, nf => {
                                 v[f] = byte_prefix::<S, B>(s, bytes, f);
                                 x[f] = if f == 0 { v[0] } else { s.sub(v[f], v[f - 1]) };
                             });
-                            unroll!(4; f in 0, nf => {
+                            unroll!(4 max fields::<B>(); f in 0, nf => {
                                 let wf = s.bcast(w.add(f * h + k));
                                 if fold {
                                     let zf = s.bcast(zr.add(f * h + k));
                                     let xf = s.fma(x[f], wf, zf);
-                                    unroll!(cap = NQ; i in 0, NQ => {
+                                    unroll!(8 max NQ; i in 0, NQ => {
                                         a[i][f * fs + k] = s.fma(xf, pb[i], a[i][f * fs + k]);
                                     });
                                 } else {
@@ -760,9 +787,9 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                             });
                         });
                     }
-                    unroll!(cap = NQ; i in 0, NQ => {
-                        unroll!(4; f in 0, nf => {
-                            unroll!(8; k in 0, bb => {
+                    unroll!(8 max NQ; i in 0, NQ => {
+                        unroll!(4 max fields::<B>(); f in 0, nf => {
+                            unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
                                 let o = i * hdp + (jj0 + k + f * h) * S::L;
                                 s.store(acc.as_mut_ptr().add(o), a[i][f * fs + k]);
                             });
@@ -775,8 +802,8 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 while j0 < nch {
                     let j1 = (j0 + jb).min(nch);
                     let mut a = [[s.zero(); 16]; NQ];
-                    unroll!(cap = NQ; i in 0, NQ => {
-                        unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
+                    unroll!(8 max NQ; i in 0, NQ => {
+                        unroll!(16 max S::REGS / 2 / NQ; j in j0, j1 => {
                             a[i][j - j0] = s.load(acc.as_ptr().add(i * hdp + j * S::L));
                         });
                     });
@@ -790,13 +817,13 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         let zr = zt.add(tt * ne);
                         let mut pb = [s.zero(); NQ];
                         if fold {
-                            unroll!(cap = NQ; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                            unroll!(8 max NQ; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
                         }
-                        unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
+                        unroll!(16 max S::REGS / 2 / NQ; j in j0, j1 => {
                             let x = codes_f32::<S, B>(s, row, g.hd, j);
                             if fold {
                                 let x = s.fma(x, s.bcast(w.add(j)), s.bcast(zr.add(j)));
-                                unroll!(cap = NQ; i in 0, NQ => {
+                                unroll!(8 max NQ; i in 0, NQ => {
                                     a[i][j - j0] = s.fma(x, pb[i], a[i][j - j0]);
                                 });
                             } else {
@@ -804,8 +831,8 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                             }
                         });
                     }
-                    unroll!(cap = NQ; i in 0, NQ => {
-                        unroll!(cap = S::REGS / 2 / NQ; j in j0, j1 => {
+                    unroll!(8 max NQ; i in 0, NQ => {
+                        unroll!(16 max S::REGS / 2 / NQ; j in j0, j1 => {
                             s.store(acc.as_mut_ptr().add(i * hdp + j * S::L), a[i][j - j0]);
                         });
                     });
