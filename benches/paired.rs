@@ -15,6 +15,8 @@
 //! - `KVQ_PAIRED_CTX`: the context lengths (comma-separated), instead of
 //!   32768 (and 131072 with `KVQ_BENCH_FULL=1`).
 //! - `KVQ_PAIRED_NQ`: the query heads per KV head (default `1,4`).
+//! - `KVQ_PAIRED_HD`: the head dimension (default 128; SmolLM2 has 64,
+//!   Gemma 3 256).
 //! - `KVQ_PAIRED_THREADS`: the threads the 8 heads are split across
 //!   (default 2; 1 measures what one core streams).
 //! - `KVQ_PAIRED_RESIDENT=1`: one copy of each layer instead of 1 GiB of
@@ -52,7 +54,7 @@
 //! keys and values as outliers) and `cache 3b-prerope-o1`.
 //!
 //! Same shape as criterion's `attend/hd128/q{N}`: 8 KV heads, head_dim
-//! 128, two threads across heads, each case's layer copied until the
+//! 128 (or `KVQ_PAIRED_HD`), two threads across heads, each case's layer copied until the
 //! copies add up to 1 GiB and rotated, so every call streams from DRAM.
 //! Nothing is asserted here; the measured numbers are in
 //! `docs/perf/records/`, the current ones in `docs/PERFORMANCE.md`.
@@ -95,7 +97,8 @@ fn main() {
         }
     });
     let rounds = env_num("KVQ_PAIRED_ROUNDS").unwrap_or(100).max(3);
-    let (hd, be, warm) = (128, Backend::detect(), 3);
+    let hd = env_num("KVQ_PAIRED_HD").unwrap_or(128);
+    let (be, warm) = (Backend::detect(), 3);
     for &ctx in &ctxs {
         let kx = data(ctx * N_KV * hd, 11);
         let vx = data(ctx * N_KV * hd, 12);

@@ -219,25 +219,25 @@ fn every_scheme_every_backend() {
     }
 }
 
-/// Query counts one to nine at head_dim 128: the fused per-token weighted
-/// sum takes one to four and eight queries (4-bit rows one to eight), the
-/// tile kernels the others; each width, in whole and partial tiles.
+/// Query counts one to nine at every head dim with a compile-time shape
+/// (64, 128, 256): the fused per-token weighted sum takes one to four and
+/// eight queries (4-bit rows one to eight), the tile kernels the others;
+/// per-channel keys run the fused scores; each width, in whole and partial
+/// tiles.
 #[test]
-fn fused_sums_for_every_query_count() {
+fn fused_kernels_for_every_query_count() {
     let mut rng = Rng::new(0x5EED_0003);
     for bits in [2u8, 3, 4, 8] {
-        for mode in MODES {
-            let s = scheme(
-                bits,
-                Axis::PerToken,
-                Group::Size(32),
-                mode,
-                ScaleFormat::F16,
-            )
-            .expect("a per-token scheme");
-            for nq in 1..=9 {
-                for tokens in [5, 40] {
-                    run_case(&mut rng, s, 128, tokens, nq, Data::Uniform);
+        for axis in [Axis::PerToken, Axis::PerChannel] {
+            for mode in MODES {
+                let s = scheme(bits, axis, Group::Size(32), mode, ScaleFormat::F16)
+                    .expect("a 32-wide scheme");
+                for hd in [64, 128, 256] {
+                    for nq in 1..=9 {
+                        for tokens in [5, 40] {
+                            run_case(&mut rng, s, hd, tokens, nq, Data::Uniform);
+                        }
+                    }
                 }
             }
         }

@@ -76,6 +76,10 @@ macro_rules! packed_kernel {
         packed_kernel!(@shape shape_3_128, 3, 128, $tile, $portable, $check);
         packed_kernel!(@shape shape_4_128, 4, 128, $tile, $portable, $check);
         packed_kernel!(@shape shape_8_128, 8, 128, $tile, $portable, $check);
+        packed_kernel!(@shape shape_4_64, 4, 64, $tile, $portable, $check);
+        packed_kernel!(@shape shape_8_64, 8, 64, $tile, $portable, $check);
+        packed_kernel!(@shape shape_4_256, 4, 256, $tile, $portable, $check);
+        packed_kernel!(@shape shape_8_256, 8, 256, $tile, $portable, $check);
         packed_kernel!(@shape shape_any, 0, 0, $tile, $portable, $check);
 
         /// Run the kernel for `head`'s shape on `backend` (lengths checked).
@@ -84,7 +88,17 @@ macro_rules! packed_kernel {
             super::x86_64::by_shape!(
                 backend,
                 head,
-                [shape_2_128, shape_3_128, shape_4_128, shape_8_128, shape_any],
+                [
+                    shape_2_128 = (2, 128),
+                    shape_3_128 = (3, 128),
+                    shape_4_128 = (4, 128),
+                    shape_8_128 = (8, 128),
+                    shape_4_64 = (4, 64),
+                    shape_8_64 = (8, 64),
+                    shape_4_256 = (4, 256),
+                    shape_8_256 = (8, 256);
+                    shape_any
+                ],
                 (backend, head, x, out)
             );
             #[cfg(not(target_arch = "x86_64"))]

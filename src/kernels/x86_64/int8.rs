@@ -328,14 +328,14 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn entry(s: Avx512Vnni, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     // SAFETY: the caller's contract, passed on (`takes`: hd is 64/128/256).
-    // The shapes the exact AVX-512 kernels are compiled for get a
-    // compile-time int8 kernel too; the rest share one kernel compiled for
-    // any width and dimension.
+    // The head_dim-128 shapes the exact AVX-512 kernels are compiled for
+    // get a compile-time int8 kernel too; the rest share one kernel
+    // compiled for any width and dimension.
     unsafe {
         let l = head.layout();
         let (bits, hd) = (l.scheme().bits(), l.head_dim());
         match bits {
-            _ if !super::compiled_shape(Backend::Avx512, bits, hd) => {
+            _ if hd != 128 || !super::compiled_shape(Backend::Avx512, bits, hd) => {
                 kernel::<0, 0>(s, head, q, out)
             }
             2 => kernel::<2, 128>(s, head, q, out),

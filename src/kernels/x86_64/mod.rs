@@ -29,15 +29,13 @@
 /// width and dimension [`compiled_shape`] lists for `$backend`, and
 /// `shape_any::run$args` for every other shape.
 macro_rules! by_shape {
-    ($backend:expr, $head:expr, [$s2:ident, $s3:ident, $s4:ident, $s8:ident, $any:ident], $args:tt) => {{
+    ($backend:expr, $head:expr, [$($s:ident = ($b:literal, $hd:literal)),*; $any:ident], $args:tt) => {{
         let l = $head.layout();
         let (bits, hd) = (l.scheme().bits(), l.head_dim());
-        match bits {
+        match (bits, hd) {
             _ if !$crate::kernels::x86_64::compiled_shape($backend, bits, hd) => $any::run $args,
-            2 => $s2::run $args,
-            3 => $s3::run $args,
-            4 => $s4::run $args,
-            _ => $s8::run $args,
+            $(($b, $hd) => $s::run $args,)*
+            _ => unreachable!("kernels: a compiled shape without its module"),
         }
     }};
 }
@@ -45,23 +43,23 @@ pub(crate) use by_shape;
 
 /// Whether `backend` has kernels compiled for heads of `bits` bits and
 /// `head_dim` (one place for [`by_shape!`]'s routing and the `const`
-/// guards of [`fused_shape`]). The widths that matter most at head_dim 128
-/// (Llama, Mistral, Qwen and most served models) get a compile-time shape:
-/// fully unrolled rows held in registers, the fused kernels. Every other
-/// shape runs one instance compiled for any width and dimension (`BITS =
-/// 0, HD = 0`, both read at run time: the tile-buffer kernels). A
-/// compile-time shape costs tens of KiB of machine code per kernel and
-/// token and seconds of build time, so shapes are listed only where a
-/// benchmark shows the fused kernels pay (`docs/PERFORMANCE.md`): 4 and 8
-/// bits on both tokens, 2 and 3 bits on AVX-512 (the paired bench's 2- and
-/// 3-bit cases).
+/// guards of [`fused_shape`]). The widths most caches use get a
+/// compile-time shape at the head dims of most models — 128 (Llama,
+/// Mistral, Qwen), 64 (SmolLM2, small Llamas) and 256 (Gemma): fully
+/// unrolled rows held in registers, the fused kernels. Every other shape
+/// runs one instance compiled for any width and dimension (`BITS = 0, HD =
+/// 0`, both read at run time: the tile-buffer kernels). A compile-time
+/// shape costs tens of KiB of machine code per kernel and token and
+/// seconds of build time, so shapes are listed only where a benchmark
+/// shows the fused kernels pay (`docs/PERFORMANCE.md`): 4 and 8 bits at
+/// head_dim 64, 128 and 256 on both tokens, 2 and 3 bits at 128 on
+/// AVX-512 (the paired bench's 2- and 3-bit cases).
 pub(crate) const fn compiled_shape(backend: Backend, bits: u8, head_dim: usize) -> bool {
-    head_dim == 128
-        && match bits {
-            4 | 8 => true,
-            2 | 3 => matches!(backend, Backend::Avx512),
-            _ => false,
-        }
+    match (bits, head_dim) {
+        (4 | 8, 64 | 128 | 256) => true,
+        (2 | 3, 128) => matches!(backend, Backend::Avx512),
+        _ => false,
+    }
 }
 
 /// Whether token `S` has kernels compiled for the shape `(B, HD)`
