@@ -18,7 +18,7 @@
 //! domain's Pareto front drawn) into `--out`.
 //!
 //! The default grid (17 configurations × 2 domains × 4096 tokens) takes
-//! about six and a half minutes on 2 cores, build included; `--full` sweeps
+//! about 11 minutes on 2 cores once built; `--full` sweeps
 //! bits 2–8 × axis × group.
 //!
 //! `--help` lists the flags. The program is

@@ -40,7 +40,7 @@
 //! domain's Pareto front drawn) into `--out`.
 //!
 //! The default grid (17 configurations × 2 domains × 4096 tokens) takes
-//! about six and a half minutes on 2 cores, build included; `--full` sweeps
+//! about 11 minutes on 2 cores once built; `--full` sweeps
 //! bits 2–8 × axis × group.
 
 use std::path::PathBuf;
@@ -68,7 +68,7 @@ use crate::BoxError;
 /// window), Δppl against the full-precision cache, the mean attention KL
 /// of the first window, and the next-token KL against the full-precision
 /// run (mean, 99th percentile, same top-1 rate). Writes sweep.csv, sweep.json and sweep.svg into
-/// --out. The default grid takes about six and a half minutes on 2 cores.
+/// --out. The default grid takes about 11 minutes on 2 cores.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "sweep")]
 pub struct Args {
