@@ -175,6 +175,46 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
     }
 }
 
+/// Head dims 64 (SmolLM2) and 256 (Gemma): per-channel 4- and 8-bit keys
+/// with every channel rotated take the fused kernel compiled for that
+/// head dim; partial rotary the scratch kernel. Both pair styles, one and
+/// four queries per KV head, every backend.
+#[test]
+fn pre_rope_keys_at_head_dims_64_and_256() {
+    let mut rng = Rng::new(31);
+    for hd in [64usize, 256] {
+        let (n_kv, w) = (2, 2 * hd);
+        let r = ropes(hd);
+        for backend in backends() {
+            for (ki, (bits, rope)) in [(4u8, r[0]), (8, r[1]), (4, r[4]), (4, r[2])]
+                .into_iter()
+                .enumerate()
+            {
+                let key = QuantScheme::new(bits, Axis::PerChannel, Group::Size(32)).unwrap();
+                for n_q in [2, 8] {
+                    let len = 100 + 37 * ki;
+                    let k = rng.vec(len * w);
+                    let v = rng.vec(len * w);
+                    let cfg = CacheConfig::new(n_kv, hd)
+                        .keys(key)
+                        .values(QuantScheme::new(4, Axis::PerToken, Group::Size(32)).unwrap())
+                        .sinks(2)
+                        .backend(backend)
+                        .pre_rope(rope);
+                    let mut c = LayerCache::new(cfg).unwrap();
+                    c.extend(&k, &v).unwrap();
+                    let q = rng.vec(n_q * hd);
+                    let d = decode_error(&c, &rope, &q, n_q);
+                    assert!(
+                        d < 1e-4,
+                        "hd {hd} {backend:?} {bits} bits {rope:?} n_q {n_q}: {d}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Key outliers before RoPE in blocks of 128 tokens: sinks that put a
 /// block across a coarse row of the rotation tables beyond the fine
 /// table's reach (70: blocks from position 198) split its entries between

@@ -31,11 +31,11 @@ use kvq_eval::programs::sweep::{attention_kl, Config};
 const AUSTEN_W0: W0 = (
     21.8932,
     21.9000,
-    -0.00251,
-    1.7491e-2,
+    0.01113,
+    1.9404e-2,
     Some([6.1655e-3, 9.0024e-2, 2.4342e-2]),
 );
-const CODE_W0: W0 = (9.4716, 9.0365, 0.03092, 1.8985e-2, None);
+const CODE_W0: W0 = (9.4716, 9.0365, 0.02510, 1.9080e-2, None);
 
 /// First-window figures: full-precision ppl (all, second half), KIVI-4's
 /// relative ppl change and mean next-token KL, and the attention KLs.
@@ -151,10 +151,16 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             kl.p99,
             100.0 * kl.same_top1
         );
-        // The mean KL sums 511 predictions' divergences: it moves far less
-        // than one window's perplexity when kernels sum in another order.
+        // Pinned at the AVX-512 kernels' value. Kernels that sum in another
+        // order re-round some later layers' keys and values (a flip of a
+        // whole grid step), which moves one window's mean KL: measured
+        // 0.01707 / 0.02031 / 0.01940 (portable / AVX2 / AVX-512) on
+        // austen, 0.01887 / 0.01799 / 0.01908 on code, while over eight
+        // windows the kernels agree to 2 % (docs/RESULTS.md). ±20 % holds
+        // every backend; a kernel that loses precision moves it by
+        // multiples.
         assert!(
-            (kl.mean / want.3 - 1.0).abs() < 0.05,
+            (kl.mean / want.3 - 1.0).abs() < 0.2,
             "{name}: KIVI-4 next-token KL {} vs {}",
             kl.mean,
             want.3
@@ -165,13 +171,14 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             "{name}: KIVI-4 first window ppl {q4:.4} ({:+.3} %)",
             rel * 100.0
         );
-        // Within a quarter of its measured change or one point, whichever
+        // Within a quarter of its measured change or two points, whichever
         // is wider: kernels that sum in another order move a single
-        // window's ppl by up to ~0.5 point (docs/RESULTS.md, noise floor);
-        // a doubling of code's damage fails.
+        // window's ppl by up to 1.3 points (austen: +0.01 / +1.31 / +1.11 %
+        // portable / AVX2 / AVX-512; docs/RESULTS.md, noise floor); a
+        // doubling of code's damage fails.
         let want_rel = want.2;
         assert!(
-            (rel - want_rel).abs() < (0.25 * want_rel.abs()).max(0.01),
+            (rel - want_rel).abs() < (0.25 * want_rel.abs()).max(0.02),
             "{name}: KIVI-4 costs {:+.3} %, measured {:+.3} %",
             rel * 100.0,
             want_rel * 100.0
@@ -179,14 +186,12 @@ fn real_model_tokenizer_and_first_window_perplexity() {
 
         // The same cache with keys stored before RoPE: the cache rotates
         // them, and per-channel blocks see unrotated channels. Its
-        // next-token KL is pinned at its measured value (±15 %): 27–35 %
-        // below KIVI-4's on prose, level with it on code's first window
-        // (over 8 windows 12–17 % below: docs/RESULTS.md, keys before
-        // RoPE). It moves more than KIVI-4's with the kernels' rounding:
-        // summing per-token values of a prefill block from dequantized
-        // rows instead of through scale-folded weights (the same outputs
-        // to 2e-6 relative) re-rounds some later layers' keys and moved
-        // prose's from 0.01145 to 0.01279.
+        // next-token KL is pinned at the AVX-512 kernels' value (±20 %):
+        // 25–35 % below KIVI-4's on prose, level with it on code's first
+        // window (over 8 windows 12–17 % below: docs/RESULTS.md, keys
+        // before RoPE). It moves with the kernels' rounding as KIVI-4's
+        // does: 0.01259 / 0.01360 / 0.01449 (portable / AVX2 / AVX-512)
+        // on prose, 0.01813 / 0.01734 / 0.01670 on code.
         let pre = CacheSpec {
             pre_rope: true,
             ..spec
@@ -196,9 +201,9 @@ fn real_model_tokenizer_and_first_window_perplexity() {
             "{name}: KIVI-4 with pre-RoPE keys, first window next-token KL {:.5}",
             pkl.mean
         );
-        let want_pre = if name == "austen" { 0.0121 } else { 0.01889 };
+        let want_pre = if name == "austen" { 0.01449 } else { 0.01670 };
         assert!(
-            (pkl.mean / want_pre - 1.0).abs() < 0.15,
+            (pkl.mean / want_pre - 1.0).abs() < 0.2,
             "{name}: pre-RoPE KIVI-4 next-token KL {} vs {want_pre}",
             pkl.mean
         );

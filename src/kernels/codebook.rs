@@ -181,6 +181,14 @@ impl Kernel for Args<'_, '_> {
     fn simd<S: crate::simd::x86_64::Simd>(self, s: S) {
         use super::x86_64::codebook;
         if !codebook::takes::<S>(self.head.layout(), self.table) {
+            // Rows whose planes are half an AVX-512 vector (3-bit codes at
+            // head_dim 64: an 8-byte plane) still fill AVX2's: that kernel,
+            // not the scalar loop (8–10x slower).
+            if S::L > 8
+                && codebook::takes::<crate::simd::x86_64::Avx2>(self.head.layout(), self.table)
+            {
+                return Backend::Avx2.dispatch(self);
+            }
             return self.scalar();
         }
         let Args {
@@ -195,10 +203,11 @@ impl Kernel for Args<'_, '_> {
         // the row shape; `HD` is the head's; `s` proves the features this
         // body is compiled with.
         unsafe {
-            if head.layout().head_dim() == 128 {
-                codebook::run::<S, 128>(s, head, table, x, out, sum)
-            } else {
-                codebook::run::<S, 0>(s, head, table, x, out, sum)
+            match head.layout().head_dim() {
+                128 => codebook::run::<S, 128>(s, head, table, x, out, sum),
+                64 => codebook::run::<S, 64>(s, head, table, x, out, sum),
+                256 => codebook::run::<S, 256>(s, head, table, x, out, sum),
+                _ => codebook::run::<S, 0>(s, head, table, x, out, sum),
             }
         }
     }

@@ -111,22 +111,27 @@ impl Kernel for Args<'_, '_> {
         // The compiled per-channel shapes whose rotation covers the head:
         // rows turned in registers (`generic::rope_scores_fused`).
         macro_rules! fused {
-            ($b:literal) => {
-                if const { fused_shape::<S>($b, 128) } {
-                    if generic::rope_fused_takes::<S, $b, 128>(head, rope) {
+            ($b:literal, $hd:literal) => {
+                if const { fused_shape::<S>($b, $hd) } {
+                    if generic::rope_fused_takes::<S, $b, $hd>(head, rope) {
                         // SAFETY: as below, and `rope_fused_takes` holds.
                         unsafe {
-                            generic::rope_scores_fused::<S, $b, 128>(s, head, rope, p0, q, out)
+                            generic::rope_scores_fused::<S, $b, $hd>(s, head, rope, p0, q, out)
                         };
                         return true;
                     }
                 }
             };
         }
-        match head.layout().scheme().bits() {
-            2 => fused!(2),
-            4 => fused!(4),
-            8 => fused!(8),
+        let l = head.layout();
+        match (l.scheme().bits(), l.head_dim()) {
+            (2, 128) => fused!(2, 128),
+            (4, 64) => fused!(4, 64),
+            (4, 128) => fused!(4, 128),
+            (4, 256) => fused!(4, 256),
+            (8, 64) => fused!(8, 64),
+            (8, 128) => fused!(8, 128),
+            (8, 256) => fused!(8, 256),
             _ => {}
         }
         // SAFETY: `check_head` asserted the head's buffers and the lengths,

@@ -511,8 +511,9 @@ unsafe fn decode_tile<S: Simd, const B: u8, const SCALED: bool, const PAIR: bool
 /// query ([`dot_tile`], [`sum_vectors`]): with four queries, rows decoded
 /// into registers and multiplied into every query there (scores in pairs
 /// of tokens, sums in blocks of the row per pass) measured no faster
-/// (`docs/PERFORMANCE.md`, "What does not pay"). `HD` 128 makes every loop
-/// over a row straight-line code.
+/// (`docs/PERFORMANCE.md`, "What does not pay"). `HD` 64, 128 or 256
+/// (the head dims of most models) makes every loop over a row
+/// straight-line code; 0 reads the head dim at run time.
 ///
 /// # Safety
 /// [`check`] and [`takes`] hold for these arguments, `HD` is 0 or the
