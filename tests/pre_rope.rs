@@ -175,6 +175,31 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
     }
 }
 
+/// A cache of two KV heads with `key` before `rope` and 4-bit per-token
+/// values, `len` random tokens appended in one `extend`: its decode error
+/// against the rotated reference for `n_q` random queries.
+fn one_extend_error(
+    rng: &mut Rng,
+    hd: usize,
+    key: Codec,
+    (rope, sinks, backend): (Rope, usize, kvq::Backend),
+    len: usize,
+    n_q: usize,
+) -> f32 {
+    let w = 2 * hd;
+    let (k, v) = (rng.vec(len * w), rng.vec(len * w));
+    let cfg = CacheConfig::new(2, hd)
+        .key_codec(key)
+        .values(QuantScheme::new(4, Axis::PerToken, Group::Size(32)).unwrap())
+        .sinks(sinks)
+        .backend(backend)
+        .pre_rope(rope);
+    let mut c = LayerCache::new(cfg).unwrap();
+    c.extend(&k, &v).unwrap();
+    let q = rng.vec(n_q * hd);
+    decode_error(&c, &rope, &q, n_q)
+}
+
 /// Head dims 64 (SmolLM2) and 256 (Gemma): per-channel 4- and 8-bit keys
 /// with every channel rotated take the fused kernel compiled for that
 /// head dim; partial rotary the scratch kernel. Both pair styles, one and
@@ -183,7 +208,6 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
 fn pre_rope_keys_at_head_dims_64_and_256() {
     let mut rng = Rng::new(31);
     for hd in [64usize, 256] {
-        let (n_kv, w) = (2, 2 * hd);
         let r = ropes(hd);
         for backend in backends() {
             for (ki, (bits, rope)) in [(4u8, r[0]), (8, r[1]), (4, r[4]), (4, r[2])]
@@ -192,19 +216,14 @@ fn pre_rope_keys_at_head_dims_64_and_256() {
             {
                 let key = QuantScheme::new(bits, Axis::PerChannel, Group::Size(32)).unwrap();
                 for n_q in [2, 8] {
-                    let len = 100 + 37 * ki;
-                    let k = rng.vec(len * w);
-                    let v = rng.vec(len * w);
-                    let cfg = CacheConfig::new(n_kv, hd)
-                        .keys(key)
-                        .values(QuantScheme::new(4, Axis::PerToken, Group::Size(32)).unwrap())
-                        .sinks(2)
-                        .backend(backend)
-                        .pre_rope(rope);
-                    let mut c = LayerCache::new(cfg).unwrap();
-                    c.extend(&k, &v).unwrap();
-                    let q = rng.vec(n_q * hd);
-                    let d = decode_error(&c, &rope, &q, n_q);
+                    let d = one_extend_error(
+                        &mut rng,
+                        hd,
+                        key.into(),
+                        (rope, 2, backend),
+                        100 + 37 * ki,
+                        n_q,
+                    );
                     assert!(
                         d < 1e-4,
                         "hd {hd} {backend:?} {bits} bits {rope:?} n_q {n_q}: {d}"
@@ -222,8 +241,7 @@ fn pre_rope_keys_at_head_dims_64_and_256() {
 #[test]
 fn pre_rope_outliers_in_long_blocks_attend_as_their_rotated_decode() {
     let mut rng = Rng::new(21);
-    let (n_kv, hd) = (2, 128);
-    let w = n_kv * hd;
+    let hd = 128;
     let key = Codec::from(QuantScheme::new(2, Axis::PerChannel, Group::Size(128)).unwrap())
         .with_outliers(0.02)
         .unwrap();
@@ -233,19 +251,7 @@ fn pre_rope_outliers_in_long_blocks_attend_as_their_rotated_decode() {
             Rope::new(10_000.0, hd, RopeStyle::Adjacent),
         ] {
             for (sinks, n_q) in [(0, 2), (3, 8), (70, 2), (70, 8)] {
-                let len = 900;
-                let k = rng.vec(len * w);
-                let v = rng.vec(len * w);
-                let cfg = CacheConfig::new(n_kv, hd)
-                    .key_codec(key)
-                    .values(QuantScheme::new(4, Axis::PerToken, Group::Size(32)).unwrap())
-                    .sinks(sinks)
-                    .backend(backend)
-                    .pre_rope(rope);
-                let mut c = LayerCache::new(cfg).unwrap();
-                c.extend(&k, &v).unwrap();
-                let q = rng.vec(n_q * hd);
-                let d = decode_error(&c, &rope, &q, n_q);
+                let d = one_extend_error(&mut rng, hd, key, (rope, sinks, backend), 900, n_q);
                 assert!(
                     d < 1e-4,
                     "{backend:?} {rope:?} sinks {sinks} n_q {n_q}: {d}"
