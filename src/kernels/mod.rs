@@ -80,6 +80,10 @@ macro_rules! packed_kernel {
         packed_kernel!(@shape shape_8_64, 8, 64, $tile, $portable, $check);
         packed_kernel!(@shape shape_4_256, 4, 256, $tile, $portable, $check);
         packed_kernel!(@shape shape_8_256, 8, 256, $tile, $portable, $check);
+        packed_kernel!(@shape shape_2_64, 2, 64, $tile, $portable, $check);
+        packed_kernel!(@shape shape_3_64, 3, 64, $tile, $portable, $check);
+        packed_kernel!(@shape shape_2_256, 2, 256, $tile, $portable, $check);
+        packed_kernel!(@shape shape_3_256, 3, 256, $tile, $portable, $check);
         packed_kernel!(@shape shape_any, 0, 0, $tile, $portable, $check);
 
         /// Run the kernel for `head`'s shape on `backend` (lengths checked).
@@ -96,7 +100,11 @@ macro_rules! packed_kernel {
                     shape_4_64 = (4, 64),
                     shape_8_64 = (8, 64),
                     shape_4_256 = (4, 256),
-                    shape_8_256 = (8, 256);
+                    shape_8_256 = (8, 256),
+                    shape_2_64 = (2, 64),
+                    shape_3_64 = (3, 64),
+                    shape_2_256 = (2, 256),
+                    shape_3_256 = (3, 256);
                     shape_any
                 ],
                 (backend, head, x, out)
