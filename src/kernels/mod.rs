@@ -72,18 +72,29 @@
 /// rely on; `$portable` is the portable body.
 macro_rules! packed_kernel {
     ($run:ident, $tile:ident, $portable:path, $check:expr) => {
-        packed_kernel!(@shape shape_2_128, 2, 128, $tile, $portable, $check);
-        packed_kernel!(@shape shape_3_128, 3, 128, $tile, $portable, $check);
-        packed_kernel!(@shape shape_4_128, 4, 128, $tile, $portable, $check);
-        packed_kernel!(@shape shape_8_128, 8, 128, $tile, $portable, $check);
-        packed_kernel!(@shape shape_4_64, 4, 64, $tile, $portable, $check);
-        packed_kernel!(@shape shape_8_64, 8, 64, $tile, $portable, $check);
-        packed_kernel!(@shape shape_4_256, 4, 256, $tile, $portable, $check);
-        packed_kernel!(@shape shape_8_256, 8, 256, $tile, $portable, $check);
-        packed_kernel!(@shape shape_2_64, 2, 64, $tile, $portable, $check);
-        packed_kernel!(@shape shape_3_64, 3, 64, $tile, $portable, $check);
-        packed_kernel!(@shape shape_2_256, 2, 256, $tile, $portable, $check);
-        packed_kernel!(@shape shape_3_256, 3, 256, $tile, $portable, $check);
+        packed_kernel!(
+            @shapes $run, $tile, $portable, $check,
+            [
+                shape_2_128 = (2, 128),
+                shape_3_128 = (3, 128),
+                shape_4_128 = (4, 128),
+                shape_8_128 = (8, 128),
+                shape_2_64 = (2, 64),
+                shape_3_64 = (3, 64),
+                shape_4_64 = (4, 64),
+                shape_8_64 = (8, 64),
+                shape_2_256 = (2, 256),
+                shape_3_256 = (3, 256),
+                shape_4_256 = (4, 256),
+                shape_8_256 = (8, 256)
+            ]
+        );
+    };
+    // One module per listed shape and the any-shape module; `$run` routes
+    // by the same list (`x86_64::compiled_shape` says which a backend has).
+    (@shapes $run:ident, $tile:ident, $portable:path, $check:expr,
+     [$($m:ident = ($b:literal, $hd:literal)),*]) => {
+        $(packed_kernel!(@shape $m, $b, $hd, $tile, $portable, $check);)*
         packed_kernel!(@shape shape_any, 0, 0, $tile, $portable, $check);
 
         /// Run the kernel for `head`'s shape on `backend` (lengths checked).
@@ -92,21 +103,7 @@ macro_rules! packed_kernel {
             super::x86_64::by_shape!(
                 backend,
                 head,
-                [
-                    shape_2_128 = (2, 128),
-                    shape_3_128 = (3, 128),
-                    shape_4_128 = (4, 128),
-                    shape_8_128 = (8, 128),
-                    shape_4_64 = (4, 64),
-                    shape_8_64 = (8, 64),
-                    shape_4_256 = (4, 256),
-                    shape_8_256 = (8, 256),
-                    shape_2_64 = (2, 64),
-                    shape_3_64 = (3, 64),
-                    shape_2_256 = (2, 256),
-                    shape_3_256 = (3, 256);
-                    shape_any
-                ],
+                [$($m = ($b, $hd)),*; shape_any],
                 (backend, head, x, out)
             );
             #[cfg(not(target_arch = "x86_64"))]

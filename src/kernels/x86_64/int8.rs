@@ -15,7 +15,6 @@
 use super::generic::{self, Buf, Plan};
 use crate::scheme::{Axis, Mode, ScaleFormat};
 use crate::simd::x86_64::{Avx512, Avx512Vnni, Simd};
-use crate::simd::Backend;
 use crate::store::PackedHead;
 use core::arch::x86_64::*;
 
@@ -328,20 +327,18 @@ unsafe fn kernel_ws<const B: u8, const HD: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn entry(s: Avx512Vnni, head: &PackedHead<'_>, q: &[f32], out: &mut [f32]) {
     // SAFETY: the caller's contract, passed on (`takes`: hd is 64/128/256).
-    // The head_dim-128 shapes the exact AVX-512 kernels are compiled for
-    // get a compile-time int8 kernel too; the rest share one kernel
+    // The widths the exact AVX-512 kernels are compiled for at head_dim
+    // 128 get a compile-time int8 kernel too; the rest share one kernel
     // compiled for any width and dimension.
     unsafe {
         let l = head.layout();
         let (bits, hd) = (l.scheme().bits(), l.head_dim());
-        match bits {
-            _ if hd != 128 || !super::compiled_shape(Backend::Avx512, bits, hd) => {
-                kernel::<0, 0>(s, head, q, out)
-            }
-            2 => kernel::<2, 128>(s, head, q, out),
-            3 => kernel::<3, 128>(s, head, q, out),
-            4 => kernel::<4, 128>(s, head, q, out),
-            _ => kernel::<8, 128>(s, head, q, out),
+        match (bits, hd) {
+            (2, 128) => kernel::<2, 128>(s, head, q, out),
+            (3, 128) => kernel::<3, 128>(s, head, q, out),
+            (4, 128) => kernel::<4, 128>(s, head, q, out),
+            (8, 128) => kernel::<8, 128>(s, head, q, out),
+            _ => kernel::<0, 0>(s, head, q, out),
         }
     }
 }
