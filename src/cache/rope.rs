@@ -229,8 +229,9 @@ impl Rope {
 pub(super) struct RopeTable {
     rope: Rope,
     inv_freq: Vec<f64>,
-    /// `[LO + ROPE_SPILL, lanes]`.
-    lo: Arc<(Vec<f32>, Vec<f32>)>,
+    /// `[LO + ROPE_SPILL, lanes]` each, then both interleaved
+    /// ([`RopeRows::lo_cs`]).
+    lo: Arc<(Vec<f32>, Vec<f32>, Vec<f32>)>,
     /// `[n, lanes]` for positions `0, LO, 2·LO, …`.
     hi: (Vec<f32>, Vec<f32>),
 }
@@ -243,9 +244,10 @@ impl RopeTable {
         for p in 0..LO + ROPE_SPILL {
             Self::push(&inv_freq, adjacent, p, &mut lo);
         }
+        let cs = crate::kernels::rope::interleave(&lo.0, &lo.1);
         RopeTable {
             rope,
-            lo: Arc::new(lo),
+            lo: Arc::new((lo.0, lo.1, cs)),
             hi: (Vec::new(), Vec::new()),
             inv_freq,
         }
@@ -289,6 +291,7 @@ impl RopeTable {
             adjacent: self.adjacent(),
             lanes: self.lanes(),
             lo: (&self.lo.0, &self.lo.1),
+            lo_cs: &self.lo.2,
             hi: (&self.hi.0, &self.hi.1),
         }
     }
@@ -323,11 +326,9 @@ impl RopeTable {
         if !kernels::rope::rope_outliers_take(&rr, hd) {
             return self.add_outlier_scores_any(view, p0, q, rows, hd, out, stride);
         }
-        let chan = self.channels();
         let shift = hd.trailing_zeros();
         let bt = view.layout.block_tokens();
-        let mut turned = (vec![0f32; rows * hd], vec![0f32; rows * hd]);
-        let mut qb = vec![0f32; hd];
+        let mut turned = vec![0f32; rows * 2 * hd];
         let mut row = None;
         crate::quant::outliers::for_each_set(view, |base, pos, cor| {
             // Positions ascend: the view's entries of the set are a
@@ -344,13 +345,8 @@ impl RopeTable {
                 let reach = (k * LO + LO + ROPE_SPILL - first).min(tl);
                 let j2 = below(reach * hd);
                 if row != Some(k) {
-                    for i in 0..rows {
-                        let qi = &q[i * hd..(i + 1) * hd];
-                        let (a, b) = (
-                            &mut turned.0[i * hd..(i + 1) * hd],
-                            &mut turned.1[i * hd..(i + 1) * hd],
-                        );
-                        self.turn_back(qi, k, &chan, &mut qb, a, b);
+                    for (qi, ab) in q.chunks_exact(hd).zip(turned.chunks_exact_mut(2 * hd)) {
+                        self.turn_back_pairs(qi, k, ab);
                     }
                     row = Some(k);
                 }
@@ -360,13 +356,12 @@ impl RopeTable {
                     shift,
                 };
                 let fine0 = first as isize - (k * LO) as isize;
-                let t = (&turned.0[..], &turned.1[..]);
                 kernels::rope::rope_outliers_on(
                     backend,
                     e,
                     &rr,
                     fine0,
-                    t,
+                    &turned,
                     &mut out[base..],
                     stride,
                 );
@@ -485,6 +480,44 @@ impl RopeTable {
                 Some(&(_, partner, sign)) => (qb[c], sign * qb[partner as usize]),
                 None => (qb[c], 0.0),
             };
+        }
+    }
+
+    /// [`turn_back`](Self::turn_back) of a head whose channels all rotate
+    /// (`hd` = `dims`, the case [`kernels::rope::rope_outliers_take`]
+    /// takes), written per pairing so it vectorizes: `ab[2c] = a[c]`,
+    /// `ab[2c + 1] = b[c]`, the same products.
+    fn turn_back_pairs(&self, q: &[f32], k: usize, ab: &mut [f32]) {
+        let lanes = self.lanes();
+        let (hc, hs) = (
+            &self.hi.0[k * lanes..(k + 1) * lanes],
+            &self.hi.1[k * lanes..(k + 1) * lanes],
+        );
+        if self.adjacent() {
+            // Lanes `2i` and `2i + 1` hold the pair's cosine twice and its
+            // sine as `−sin, +sin`; each channel reads its partner's lane
+            // sign from the second (`sign·sin` with `sign = ±1`).
+            for (((o, q), c), s) in ab
+                .chunks_exact_mut(4)
+                .zip(q.chunks_exact(2))
+                .zip(hc.chunks_exact(2))
+                .zip(hs.chunks_exact(2))
+            {
+                let (x, y) = (q[0], q[1]);
+                let (tx, ty) = (x * c[1] + y * s[1], y * c[1] + -x * s[1]);
+                o.copy_from_slice(&[tx, ty, ty, -tx]);
+            }
+        } else {
+            let (qx, qy) = q.split_at(lanes);
+            let (ax, ay) = ab.split_at_mut(2 * lanes);
+            for i in 0..lanes {
+                let (x, y) = (qx[i], qy[i]);
+                let (tx, ty) = (x * hc[i] + y * hs[i], y * hc[i] + -x * hs[i]);
+                ax[2 * i] = tx;
+                ax[2 * i + 1] = ty;
+                ay[2 * i] = ty;
+                ay[2 * i + 1] = -tx;
+            }
         }
     }
 

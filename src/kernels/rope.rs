@@ -35,6 +35,9 @@ pub(crate) struct RopeRows<'a> {
     pub(crate) lanes: usize,
     /// `(cos, sin)` rows of positions `0..ROPE_LO + ROPE_SPILL`.
     pub(crate) lo: (&'a [f32], &'a [f32]),
+    /// The same rows with each lane's `cos` and `sin` side by side
+    /// (`[rows, lanes, 2]`): one 64-bit gather element fetches both.
+    pub(crate) lo_cs: &'a [f32],
     /// `(cos, sin)` rows of positions `0, ROPE_LO, 2·ROPE_LO, …`.
     pub(crate) hi: (&'a [f32], &'a [f32]),
 }
@@ -142,6 +145,14 @@ impl Kernel for Args<'_, '_> {
     }
 }
 
+/// `[a₀, b₀, a₁, b₁, …]`: two tables of one length side by side, as
+/// [`RopeRows::lo_cs`] and the turned queries of [`rope_outliers_on`] hold
+/// them.
+pub(crate) fn interleave(a: &[f32], b: &[f32]) -> Vec<f32> {
+    assert_eq!(a.len(), b.len(), "interleave: lengths");
+    a.iter().zip(b).flat_map(|(&x, &y)| [x, y]).collect()
+}
+
 /// One outlier set's entries of keys stored before RoPE, cut to the
 /// tokens one coarse row turns: positions `t·hd + c` (little-endian `u16`,
 /// `t` the token within the set) and f16 corrections, as stored.
@@ -161,9 +172,10 @@ pub(crate) fn rope_outliers_take(rope: &RopeRows<'_>, hd: usize) -> bool {
 
 /// `out[i·stride + t] += r·(a_i[c]·C + b_i[c]·S)` for each entry `(t, c,
 /// r)` and query `i`, with `(C, S)` the fine tables' lane of channel `c`
-/// in row `fine0 + t` and `(a_i, b_i)` rows `i` of `turned` (`[rows, hd]`
-/// each): the query turned back by the coarse row and, per channel, the
-/// turned channel and the signed partner ([`RopeTable`'s outliers]).
+/// in row `fine0 + t` and `(a_i[c], b_i[c])` the pair at `2·(i·hd + c)` of
+/// `turned` (`[rows, hd, 2]`): the query turned back by the coarse row
+/// and, per channel, the turned channel and the signed partner
+/// ([`RopeTable`'s outliers]).
 ///
 /// [`RopeTable`'s outliers]: crate::cache
 ///
@@ -175,7 +187,7 @@ pub(crate) fn rope_outliers_on(
     e: RopeEntries<'_>,
     rope: &RopeRows<'_>,
     fine0: isize,
-    turned: (&[f32], &[f32]),
+    turned: &[f32],
     out: &mut [f32],
     stride: usize,
 ) {
@@ -186,21 +198,36 @@ pub(crate) fn rope_outliers_on(
         e.pos.len() == 2 * n && e.cor.len() == 2 * n,
         "rope_outliers: entries"
     );
-    let rows = turned.0.len() / hd;
+    let rows = turned.len() / (2 * hd);
     assert!(
-        turned.0.len() == rows * hd && turned.1.len() == turned.0.len(),
+        turned.len() == rows * 2 * hd,
         "rope_outliers: turned queries"
     );
     if n == 0 || rows == 0 {
         return;
     }
-    let (mut lo, mut hi) = (u16::MAX, 0);
-    for p in e.pos.chunks_exact(2) {
-        let p = u16::from_le_bytes([p[0], p[1]]);
-        (lo, hi) = (lo.min(p), hi.max(p));
+    // Sixteen running minima and maxima, as `i16` with the sign bit
+    // flipped (the order of the `u16`s): baseline x86-64 has vector
+    // minima of signed words only, so this loop vectorizes.
+    let (mut lo, mut hi) = ([i16::MAX; 16], [i16::MIN; 16]);
+    let key = |p: &[u8]| (u16::from_le_bytes([p[0], p[1]]) ^ 0x8000) as i16;
+    let mut chunks = e.pos.chunks_exact(32);
+    for c in &mut chunks {
+        for k in 0..16 {
+            let p = key(&c[2 * k..2 * k + 2]);
+            (lo[k], hi[k]) = (lo[k].min(p), hi[k].max(p));
+        }
     }
+    for (k, p) in chunks.remainder().chunks_exact(2).enumerate() {
+        (lo[k], hi[k]) = (lo[k].min(key(p)), hi[k].max(key(p)));
+    }
+    let back = |x: i16| x as u16 ^ 0x8000;
+    let lo = back(lo.into_iter().min().unwrap_or(i16::MAX));
+    let hi = back(hi.into_iter().max().unwrap_or(i16::MIN));
     let (t_lo, t_hi) = (usize::from(lo) >> e.shift, usize::from(hi) >> e.shift);
-    let fine_rows = (rope.lo.0.len() / rope.lanes).min(rope.lo.1.len() / rope.lanes);
+    let fine_rows = (rope.lo.0.len() / rope.lanes)
+        .min(rope.lo.1.len() / rope.lanes)
+        .min(rope.lo_cs.len() / (2 * rope.lanes));
     assert!(
         fine0 + t_lo as isize >= 0
             && fine0 + (t_hi as isize) < fine_rows as isize
@@ -222,7 +249,7 @@ struct Outliers<'a> {
     e: RopeEntries<'a>,
     rope: &'a RopeRows<'a>,
     fine0: isize,
-    turned: (&'a [f32], &'a [f32]),
+    turned: &'a [f32],
     out: &'a mut [f32],
     stride: usize,
 }
@@ -259,8 +286,7 @@ impl Outliers<'_> {
     fn scalar(&mut self, range: std::ops::Range<usize>) {
         let (e, lanes) = (self.e, self.rope.lanes);
         let hd = 1usize << e.shift;
-        let (fc, fs) = self.rope.lo;
-        let (ta, tb) = self.turned;
+        let cs = self.rope.lo_cs;
         for j in range {
             let p = usize::from(u16::from_le_bytes([e.pos[2 * j], e.pos[2 * j + 1]]));
             let r = crate::quant::outliers::f16_to_f32(u16::from_le_bytes([
@@ -275,9 +301,9 @@ impl Outliers<'_> {
             };
             // In range: `rope_outliers_on` asserted the token's fine row.
             let l = (self.fine0 + t as isize) as usize * lanes + lane;
-            let (wc, ws) = (fc[l], fs[l]);
-            for (i, (a, b)) in ta.chunks_exact(hd).zip(tb.chunks_exact(hd)).enumerate() {
-                self.out[i * self.stride + t] += r * (a[c] * wc + b[c] * ws);
+            let (wc, ws) = (cs[2 * l], cs[2 * l + 1]);
+            for (i, ab) in self.turned.chunks_exact(2 * hd).enumerate() {
+                self.out[i * self.stride + t] += r * (ab[2 * c] * wc + ab[2 * c + 1] * ws);
             }
         }
     }
@@ -315,10 +341,12 @@ mod tests {
             let fine_rows = ROPE_LO + ROPE_SPILL;
             let mut table = || -> Vec<f32> { (0..fine_rows * lanes).map(|_| g.next()).collect() };
             let lo = (table(), table());
+            let cs = interleave(&lo.0, &lo.1);
             let rope = RopeRows {
                 adjacent,
                 lanes,
                 lo: (&lo.0, &lo.1),
+                lo_cs: &cs,
                 hi: (&[], &[]),
             };
             for (n, rows, fine0, tokens) in [
@@ -367,9 +395,10 @@ mod tests {
                     cor: &cb,
                     shift: hd.trailing_zeros(),
                 };
+                let ab = interleave(&ta, &tb);
                 for &backend in &Backend::available() {
                     let mut got = base.clone();
-                    rope_outliers_on(backend, e, &rope, fine0, (&ta, &tb), &mut got, stride);
+                    rope_outliers_on(backend, e, &rope, fine0, &ab, &mut got, stride);
                     assert_eq!(got, want, "{backend:?} hd {hd} adjacent {adjacent} n {n}");
                 }
             }
@@ -384,6 +413,7 @@ mod tests {
             adjacent: false,
             lanes: 32,
             lo: (&lo, &lo),
+            lo_cs: &interleave(&lo, &lo),
             hi: (&[], &[]),
         };
         let pos = (64u16 * 2).to_le_bytes();
@@ -392,9 +422,9 @@ mod tests {
             cor: &[0, 0],
             shift: 6,
         };
-        let q = vec![0f32; 64];
+        let q = vec![0f32; 128];
         let mut out = vec![0f32; 8];
         // Token 2 from a fine row origin of −3: row −1.
-        rope_outliers_on(Backend::Portable, e, &rope, -3, (&q, &q), &mut out, 8);
+        rope_outliers_on(Backend::Portable, e, &rope, -3, &q, &mut out, 8);
     }
 }

@@ -466,9 +466,25 @@ unsafe impl Simd for Avx2 {
         unsafe { _mm256_loadu_ps(p as *const f32) }
     }
     #[inline(always)]
-    unsafe fn gather(self, base: *const f32, idx: __m256i) -> __m256 {
-        // SAFETY: the caller's contract (every lane's address readable);
-        // AVX2.
-        unsafe { _mm256_i32gather_ps::<4>(base, idx) }
+    unsafe fn gather_pairs(self, base: *const f32, idx: __m256i) -> (__m256, __m256) {
+        // SAFETY: the caller's contract (both floats of every lane's pair
+        // readable; a gather has no alignment requirement); AVX2.
+        unsafe {
+            let f = base as *const f64;
+            let x0 = _mm256_castpd_ps(_mm256_i32gather_pd::<8>(f, _mm256_castsi256_si128(idx)));
+            let x1 = _mm256_castpd_ps(_mm256_i32gather_pd::<8>(
+                f,
+                _mm256_extracti128_si256::<1>(idx),
+            ));
+            // Per 128-bit half `[e0 e1 e4 e5 | e2 e3 e6 e7]`, then the
+            // 64-bit quarters in order.
+            let order = |v: __m256| {
+                _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(v)))
+            };
+            (
+                order(_mm256_shuffle_ps::<0b10_00_10_00>(x0, x1)),
+                order(_mm256_shuffle_ps::<0b11_01_11_01>(x0, x1)),
+            )
+        }
     }
 }

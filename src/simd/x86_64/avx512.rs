@@ -463,9 +463,23 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_loadu_ps(p as *const f32) }
     }
     #[inline(always)]
-    unsafe fn gather(self, base: *const f32, idx: __m512i) -> __m512 {
-        // SAFETY: the caller's contract (every lane's address readable);
-        // AVX-512F.
-        unsafe { _mm512_i32gather_ps::<4>(idx, base) }
+    unsafe fn gather_pairs(self, base: *const f32, idx: __m512i) -> (__m512, __m512) {
+        // SAFETY: the caller's contract (both floats of every lane's pair
+        // readable; a gather has no alignment requirement); AVX-512F.
+        unsafe {
+            let lo = _mm512_castsi512_si256(idx);
+            let hi = _mm512_extracti64x4_epi64::<1>(idx);
+            let f = base as *const f64;
+            // Lanes 0–7 and 8–15 as `(even, odd)` pairs, then the evens
+            // and the odds of both.
+            let x0 = _mm512_castpd_ps(_mm512_i32gather_pd::<8>(lo, f));
+            let x1 = _mm512_castpd_ps(_mm512_i32gather_pd::<8>(hi, f));
+            let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+            (
+                _mm512_permutex2var_ps(x0, even, x1),
+                _mm512_permutex2var_ps(x0, odd, x1),
+            )
+        }
     }
 }

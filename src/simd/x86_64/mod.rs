@@ -259,11 +259,13 @@ pub(crate) unsafe trait Simd: Copy {
     /// # Safety
     /// `p` valid for reading `4·L` bytes.
     unsafe fn load_f32_bytes(self, p: *const u8) -> Self::F;
-    /// Lane `l` of the result is `*base.offset(idx[l])` (indices as
-    /// signed 32-bit integers): a gather.
+    /// Lane `l` of the results is `(base[2·idx[l]], base[2·idx[l] + 1])`
+    /// (indices as signed 32-bit integers): a gather of two tables
+    /// interleaved, both entries of a lane fetched by one 64-bit element
+    /// (half the elements of a gather per table).
     /// # Safety
-    /// `base.offset(idx[l])` valid for reading one float for every lane.
-    unsafe fn gather(self, base: *const f32, idx: Self::I) -> Self::F;
+    /// `base.offset(2·idx[l])` valid for reading two floats for every lane.
+    unsafe fn gather_pairs(self, base: *const f32, idx: Self::I) -> (Self::F, Self::F);
 }
 
 #[cfg(test)]
@@ -334,17 +336,23 @@ mod tests {
         let sum = s.add_i(a, s.splat_i(u32::MAX - 5));
         let want: Vec<u32> = la.iter().map(|&x| x.wrapping_sub(6)).collect();
         assert_eq!(lanes(s, sum), want, "add_i, splat_i");
-        let table: Vec<f32> = (0..40).map(|k| k as f32 * 1.5 - 7.0).collect();
         let back: Vec<i32> = (0..S::L as i32).map(|l| -(l * 3 % 20)).collect();
-        let base = table.as_ptr().wrapping_add(20);
-        // SAFETY: `back` holds `L` integers; every `20 + back[l]` indexes
-        // `table`, and `out` holds 16 ≥ L floats.
+        // Pairs at signed offsets: lane `l` reads floats `40 + 2·back[l]`
+        // and the next.
+        let table: Vec<f32> = (0..42).map(|k| k as f32 * 0.75 + 3.0).collect();
+        let base = table.as_ptr().wrapping_add(40);
+        let mut odd = [0f32; 16];
+        // SAFETY: every `40 + 2·back[l]` (in `2..=40`) and the float after
+        // it index `table`; `out` and `odd` hold 16 ≥ L floats.
         unsafe {
             let idx = s.load_i(back.as_ptr() as *const f32);
-            s.store(out.as_mut_ptr(), s.gather(base, idx));
+            let (e, o) = s.gather_pairs(base, idx);
+            s.store(out.as_mut_ptr(), e);
+            s.store(odd.as_mut_ptr(), o);
         }
         for (l, &b) in back.iter().enumerate() {
-            assert_eq!(out[l], table[(20 + b) as usize], "gather");
+            let k = (40 + 2 * b) as usize;
+            assert_eq!((out[l], odd[l]), (table[k], table[k + 1]), "gather_pairs");
         }
     }
 

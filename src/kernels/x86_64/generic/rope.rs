@@ -538,13 +538,14 @@ unsafe fn fused_rope_tile<S: Simd, const B: u8, const HD: usize>(
 
 /// Entries `0..n` (`n` a multiple of `L`) of
 /// `kernels::rope::rope_outliers_on`, a vector of entries at a time: the
-/// positions and corrections widened, each entry's fine lane and turned
-/// channels gathered, the products added into the scores entry by entry
-/// (entries of one token follow each other, so a scatter would collide).
+/// positions and corrections widened, each entry's fine lane `(cos, sin)`
+/// and turned channel `(a, b)` gathered a pair per element, the products
+/// added into the scores entry by entry (entries of one token follow each
+/// other, so a scatter would collide).
 ///
 /// # Safety
-/// `rope_outliers_on`'s assertions hold: the shape, `turned` `[rows, hd]`
-/// each, and for every entry of `e` its fine row `fine0 + t` inside the
+/// `rope_outliers_on`'s assertions hold: the shape, `turned` `[rows, hd,
+/// 2]`, and for every entry of `e` its fine row `fine0 + t` inside the
 /// fine tables and `(rows − 1)·stride + t` inside `out`; `n` at most the
 /// entries.
 #[inline(always)]
@@ -555,15 +556,14 @@ pub(crate) unsafe fn rope_outliers<S: Simd>(
     n: usize,
     rope: &RopeRows<'_>,
     fine0: isize,
-    turned: (&[f32], &[f32]),
+    turned: &[f32],
     out: &mut [f32],
     stride: usize,
 ) {
     let hd = 1usize << e.shift;
     let lanes = rope.lanes;
-    let rows = turned.0.len() / hd;
-    let (fc, fs) = (rope.lo.0.as_ptr(), rope.lo.1.as_ptr());
-    let (ta, tb, op) = (turned.0.as_ptr(), turned.1.as_ptr(), out.as_mut_ptr());
+    let rows = turned.len() / (2 * hd);
+    let (cs, ab, op) = (rope.lo_cs.as_ptr(), turned.as_ptr(), out.as_mut_ptr());
     // An entry's fine lane, `(fine0 + t)·lanes + lane(c)`: with halves
     // (`hd = 2·lanes`) `t·lanes` is `pos >> 1` without its low lane bits,
     // with adjacent pairs (`lanes = hd`) `t·lanes + (c | 1)` is `pos | 1`.
@@ -573,7 +573,7 @@ pub(crate) unsafe fn rope_outliers<S: Simd>(
     let mut j = 0;
     while j < n {
         // SAFETY: entries `j..j + L` exist (`n` a multiple of `L`, at most
-        // the entries); the gathered lanes are in the tables and the
+        // the entries); the gathered pairs are in the tables and the
         // turned rows, and the tokens in `out`, by the caller's contract.
         unsafe {
             let p = s.load_u16(e.pos.as_ptr().add(2 * j));
@@ -584,15 +584,13 @@ pub(crate) unsafe fn rope_outliers<S: Simd>(
             } else {
                 s.or(s.shr_mask(p, 1, !lane_bits), s.shr_mask(p, 0, lane_bits))
             };
-            let l = s.add_i(l, row0);
-            let (wc, ws) = (s.gather(fc, l), s.gather(fs, l));
+            let (wc, ws) = s.gather_pairs(cs, s.add_i(l, row0));
             s.store_i(
                 tok.as_mut_ptr() as *mut f32,
                 s.shr_mask(p, e.shift as i32, u32::MAX),
             );
             for i in 0..rows {
-                let a = s.gather(ta.add(i * hd), c);
-                let b = s.gather(tb.add(i * hd), c);
+                let (a, b) = s.gather_pairs(ab.add(2 * i * hd), c);
                 let v = s.mul(r, s.add(s.mul(a, wc), s.mul(b, ws)));
                 s.store(val.as_mut_ptr(), v);
                 let o = op.add(i * stride);
