@@ -181,9 +181,9 @@ impl Kernel for Args<'_, '_> {
     fn simd<S: crate::simd::x86_64::Simd>(self, s: S) {
         use super::x86_64::codebook;
         if !codebook::takes::<S>(self.head.layout(), self.table) {
-            // Rows whose planes are half an AVX-512 vector (3-bit codes at
-            // head_dim 64: an 8-byte plane) still fill AVX2's: that kernel,
-            // not the scalar loop (8–10x slower).
+            // Rows whose planes are a whole number of AVX2 vectors but not
+            // of AVX-512's (4-bit codes at head_dim 48: a 24-byte plane)
+            // take that kernel, not the scalar loop (8–10x slower).
             if S::L > 8
                 && codebook::takes::<crate::simd::x86_64::Avx2>(self.head.layout(), self.table)
             {

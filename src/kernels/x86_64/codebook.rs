@@ -17,18 +17,20 @@ use crate::store::PackedHead;
 
 /// Whether rows of this layout decode a whole vector per load: every
 /// plane's bytes a multiple of `L` (4 bits: `head_dim/2`; 2 bits:
-/// `head_dim/4`; 3 bits: the 1-bit plane's `head_dim/8`).
+/// `head_dim/4`; 3 bits: both planes, `head_dim/4` and `head_dim/8`), or
+/// a 3-bit row's 1-bit plane exactly half a vector (head_dim 64 on
+/// AVX-512), loaded into both halves of the lanes ([`book_vec`]).
 #[inline(always)]
 pub(crate) fn takes<S: Simd>(l: &Layout, book: Book<'_>) -> bool {
     let hd = l.head_dim();
-    let plane = match (l.scheme().bits(), book.fp8) {
-        (8, true) => hd,
-        (4, false) => hd / 2,
-        (2, false) => hd / 4,
-        (3, false) => hd / 8,
-        _ => return false,
-    };
-    plane > 0 && plane.is_multiple_of(S::L)
+    let whole = |m: usize| m > 0 && m.is_multiple_of(S::L);
+    match (l.scheme().bits(), book.fp8) {
+        (8, true) => whole(hd),
+        (4, false) => whole(hd / 2),
+        (2, false) => whole(hd / 4),
+        (3, false) => whole(hd / 4) && (whole(hd / 8) || 2 * (hd / 8) == S::L),
+        _ => false,
+    }
 }
 
 /// Assert every length [`run`] relies on.
@@ -90,14 +92,22 @@ unsafe fn book_vec<S: Simd, const B: u8>(
                 s.lut16(tbl, s.shr_mask(v, 2 * (e / m) as i32, u32::MAX))
             }
             _ => {
-                // Two planes: bits 0–1 in `m2` bytes, then bit 2 in `m1`.
+                // Two planes: bits 0–1 in `m2` bytes, then bit 2 in `m1`
+                // (element `e`'s at bit `e / m1` of byte `e mod m1`).
                 let (m2, m1) = (hd / 4, hd / 8);
                 let (f, jb) = (e / m2, e % m2);
-                let lo = s.load_u8(row.add(jb));
-                let hi = s.load_u8(row.add(m2 + jb % m1));
-                let k = (2 * f + jb / m1) as i32;
-                let idx = s.or(s.shr_mask(lo, 2 * f as i32, 3), s.shr_mask(hi, k - 2, 4));
-                s.lut16(tbl, idx)
+                let lo = s.shr_mask(s.load_u8(row.add(jb)), 2 * f as i32, 3);
+                let hi = if m1.is_multiple_of(S::L) {
+                    let hi = s.load_u8(row.add(m2 + jb % m1));
+                    s.shr_mask(hi, (2 * f + jb / m1) as i32 - 2, 4)
+                } else {
+                    // Half a vector (`2·m1 = L`): the plane in both halves,
+                    // the low lanes' bit `e / m1`, the high lanes' next.
+                    let hi = s.load_u8_dup(row.add(m2));
+                    let k = (e / m1) as u32;
+                    s.shr_pair_mask(hi, k, k + 1, 1, 2)
+                };
+                s.lut16(tbl, s.or(lo, hi))
             }
         }
     }
