@@ -96,9 +96,12 @@ impl Ahead {
         }
     }
 
-    /// Prefetch token `tt`'s bytes: one line per 64 bytes from its start
-    /// (whole lines for a multiple of 64 bytes per token; a shorter token
-    /// asks for its line again, which costs one load slot).
+    /// Prefetch the lines that start within token `tt`'s bytes: each line
+    /// once, by the token it starts in, so a stream of 4 bytes per token
+    /// (a row's f16 scales) asks once per 16 tokens, not once per token.
+    /// Asking for every token's line measured up to a fifth slower on the
+    /// Zen 5 VM at head_dim 64 (`docs/PERFORMANCE.md`, "Prefetch once per
+    /// line").
     #[inline(always)]
     pub(crate) fn token(self, tt: usize) {
         self.token_to::<{ core::arch::x86_64::_MM_HINT_T0 }>(tt);
@@ -111,12 +114,15 @@ impl Ahead {
         if a as usize >= self.end {
             return;
         }
-        let mut o = 0;
-        while o < self.per {
+        let end = a as usize + self.per;
+        let mut l = (a as usize).next_multiple_of(64);
+        while l < end {
             // SAFETY: a prefetch is a hint: it reads nothing into the
             // program and never faults, whatever the address.
-            unsafe { core::arch::x86_64::_mm_prefetch::<H>(a.wrapping_add(o) as *const i8) };
-            o += 64;
+            unsafe {
+                core::arch::x86_64::_mm_prefetch::<H>(a.wrapping_add(l - a as usize) as *const i8)
+            };
+            l += 64;
         }
     }
 }
