@@ -256,9 +256,10 @@ fn check_kernels(p: &Packed, rng: &mut Rng, nq: usize, what: &str) {
 #[test]
 fn kernels_match_the_oracle_on_every_backend() {
     let mut rng = Rng::new(11);
-    // head dims on the vector path (64, 128, 256), on AVX2's but not
-    // AVX-512's (48: a 24-byte 4-bit plane), and off it (40, 96, 8).
-    for hd in [8usize, 40, 48, 64, 96, 128, 256] {
+    // Head dims whose planes fill AVX-512 vectors (64, 128, 256), AVX2's
+    // but not AVX-512's (48: a 24-byte 4-bit plane; 32: 3-bit planes of
+    // 8 and 4 bytes; 96: a 24-byte 2-bit plane), or neither (40, 8).
+    for hd in [8usize, 32, 40, 48, 64, 96, 128, 256] {
         for group in [
             Group::Size(8),
             Group::Size(32),

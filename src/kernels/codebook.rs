@@ -182,8 +182,9 @@ impl Kernel for Args<'_, '_> {
         use super::x86_64::codebook;
         if !codebook::takes::<S>(self.head.layout(), self.table) {
             // Rows whose planes are a whole number of AVX2 vectors but not
-            // of AVX-512's (4-bit codes at head_dim 48: a 24-byte plane)
-            // take that kernel, not the scalar loop (8–10x slower).
+            // of AVX-512's (4-bit codes at head_dim 48: a 24-byte plane;
+            // 3-bit at 32: an 8-byte plane and a 4-byte one, half an AVX2
+            // vector) take that kernel, not the scalar loop (8–10x slower).
             if S::L > 8
                 && codebook::takes::<crate::simd::x86_64::Avx2>(self.head.layout(), self.table)
             {

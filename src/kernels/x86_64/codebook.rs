@@ -58,8 +58,8 @@ pub(crate) fn check(head: &PackedHead<'_>, x: usize, out: usize, sum: bool) {
 /// 2-bit one with the table repeated every four entries ([`table_for`]).
 ///
 /// # Safety
-/// `row` valid for `hd·B/8` bytes, every plane whole vectors ([`takes`]),
-/// `j < hd/L`.
+/// `row` valid for `hd·B/8` bytes, every plane whole vectors or a 3-bit
+/// row's 1-bit plane half a vector ([`takes`]), `j < hd/L`.
 #[inline(always)]
 unsafe fn book_vec<S: Simd, const B: u8>(
     s: S,
@@ -70,9 +70,9 @@ unsafe fn book_vec<S: Simd, const B: u8>(
     j: usize,
 ) -> S::F {
     let e = j * S::L;
-    // SAFETY: every load reads `L` bytes inside the row's planes, by
-    // `takes` and the caller's contract (see `crate::pack` for the plane
-    // layout).
+    // SAFETY: every load reads `L` bytes (`L/2` for a 1-bit plane of
+    // half a vector) inside the row's planes, by `takes` and the caller's
+    // contract (see `crate::pack` for the plane layout).
     unsafe {
         match B {
             8 => {

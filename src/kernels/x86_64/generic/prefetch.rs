@@ -65,8 +65,8 @@ pub(crate) fn prefetch_start(base: *const u8, per: usize, tokens: usize) {
 }
 
 /// One stream's prefetch spread over a tile's tokens: token `tt` asks for
-/// the lines that start within its bytes [`PREFETCH_TOKENS`] ahead, so the
-/// requests go out one or two per token between the vector work instead
+/// the lines that start within its bytes [`PREFETCH_TOKENS`] ahead (each
+/// line once), so the requests go out between the vector work instead
 /// of as a burst at the tile's start (measured faster, most for the dense
 /// f16 kernels: `docs/perf/records/2026-11-30-icelake.md`).
 #[derive(Clone, Copy)]
