@@ -24,6 +24,8 @@
 //!   rather than from DRAM.
 //! - `KVQ_PAIRED_PAGES`: page sizes (comma-separated) for extra cases
 //!   `cache 4b-kivi32-pool{N}`, KIVI-4 in a `PagePool` of `N`-token pages.
+//! - `KVQ_BACKEND`: the backend every case runs on (`portable`, `avx2`,
+//!   `avx512`; default the best this CPU has), as for the library.
 //!
 //! One thread against two, and DRAM against a cache-resident layer, tell
 //! whether a path is bound by its arithmetic or by how it streams memory

@@ -91,7 +91,7 @@ macro_rules! packed_kernel {
         );
     };
     // One module per listed shape and the any-shape module; `$run` routes
-    // by the same list (`x86_64::compiled_shape` says which a backend has).
+    // by the same list (`x86_64::compiled_shape` says which it compiles).
     (@shapes $run:ident, $tile:ident, $portable:path, $check:expr,
      [$($m:ident = ($b:literal, $hd:literal)),*]) => {
         $(packed_kernel!(@shape $m, $b, $hd, $tile, $portable, $check);)*
@@ -101,7 +101,6 @@ macro_rules! packed_kernel {
         fn $run(backend: Backend, head: &PackedHead<'_>, x: &[f32], out: &mut [f32]) {
             #[cfg(target_arch = "x86_64")]
             super::x86_64::by_shape!(
-                backend,
                 head,
                 [$($m = ($b, $hd)),*; shape_any],
                 (backend, head, x, out)

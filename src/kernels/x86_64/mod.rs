@@ -26,14 +26,14 @@
 //!
 
 /// Run `shape_BITS_HD::run$args` (of the listed modules) for a head whose
-/// width and dimension [`compiled_shape`] lists for `$backend`, and
-/// `shape_any::run$args` for every other shape.
+/// width and dimension [`compiled_shape`] lists, and `shape_any::run$args`
+/// for every other shape.
 macro_rules! by_shape {
-    ($backend:expr, $head:expr, [$($s:ident = ($b:literal, $hd:literal)),*; $any:ident], $args:tt) => {{
+    ($head:expr, [$($s:ident = ($b:literal, $hd:literal)),*; $any:ident], $args:tt) => {{
         let l = $head.layout();
         let (bits, hd) = (l.scheme().bits(), l.head_dim());
         match (bits, hd) {
-            _ if !$crate::kernels::x86_64::compiled_shape($backend, bits, hd) => $any::run $args,
+            _ if !$crate::kernels::x86_64::compiled_shape(bits, hd) => $any::run $args,
             $(($b, $hd) => $s::run $args,)*
             _ => unreachable!("kernels: a compiled shape without its module"),
         }
@@ -41,8 +41,8 @@ macro_rules! by_shape {
 }
 pub(crate) use by_shape;
 
-/// Whether `backend` has kernels compiled for heads of `bits` bits and
-/// `head_dim` (one place for [`by_shape!`]'s routing and the `const`
+/// Whether the SIMD backends have kernels compiled for heads of `bits` bits
+/// and `head_dim` (one place for [`by_shape!`]'s routing and the `const`
 /// guards of [`fused_shape`]). The widths most caches use get a
 /// compile-time shape at the head dims of most models — 128 (Llama,
 /// Mistral, Qwen), 64 (SmolLM2, small Llamas) and 256 (Gemma): fully
@@ -51,22 +51,17 @@ pub(crate) use by_shape;
 /// 0`, both read at run time: the tile-buffer kernels). A compile-time
 /// shape costs tens of KiB of machine code per kernel and token and
 /// seconds of build time, so shapes are listed only where a benchmark
-/// shows the fused kernels pay (`docs/PERFORMANCE.md`): 4 and 8 bits at
-/// head_dim 64, 128 and 256 on both tokens, 2 and 3 bits at the same head
-/// dims on AVX-512 (where the paired bench measured them).
-pub(crate) const fn compiled_shape(backend: Backend, bits: u8, head_dim: usize) -> bool {
-    match (bits, head_dim) {
-        (4 | 8, 64 | 128 | 256) => true,
-        (2 | 3, 64 | 128 | 256) => matches!(backend, Backend::Avx512),
-        _ => false,
-    }
+/// shows the fused kernels pay (`docs/PERFORMANCE.md`): 2, 3, 4 and 8
+/// bits at head_dim 64, 128 and 256, on AVX2 and AVX-512 alike.
+pub(crate) const fn compiled_shape(bits: u8, head_dim: usize) -> bool {
+    matches!((bits, head_dim), (2 | 3 | 4 | 8, 64 | 128 | 256))
 }
 
 /// Whether token `S` has kernels compiled for the shape `(B, HD)`
-/// (`(0, 0)`: any shape). A `const` guard around the call, so a token's
-/// other shapes are never compiled.
+/// (`(0, 0)`: any shape; [`compiled_shape`]). A `const` guard around the
+/// call, so the other shapes are never compiled.
 pub(crate) const fn fused_shape<S: Simd>(b: u8, hd: usize) -> bool {
-    (b == 0 && hd == 0) || compiled_shape(S::BACKEND, b, hd)
+    (b == 0 && hd == 0) || compiled_shape(b, hd)
 }
 
 pub(crate) mod codebook;
@@ -78,7 +73,6 @@ pub(crate) use crate::simd::x86_64::{Avx512Vnni, Simd};
 pub(crate) use generic::DenseElem;
 
 use crate::scheme::Axis;
-use crate::simd::Backend;
 use crate::store::PackedHead;
 
 /// Assert every length the packed kernels' raw loops rely on: `q_len`

@@ -53,7 +53,6 @@ impl Avx2 {
 // SAFETY: an `Avx2` exists only when `Avx2::new` found every feature the
 // methods below use (AVX2, FMA, F16C; AVX and SSE come with AVX2).
 unsafe impl Simd for Avx2 {
-    const BACKEND: crate::simd::Backend = crate::simd::Backend::Avx2;
     const REGS: usize = 16;
     const L: usize = 8;
     type F = __m256;

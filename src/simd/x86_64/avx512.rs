@@ -54,7 +54,6 @@ impl Avx512 {
 // SAFETY: an `Avx512` exists only when `Avx512::new` found every feature
 // the methods below use (AVX-512F/BW/VL, AVX2, FMA, F16C).
 unsafe impl Simd for Avx512 {
-    const BACKEND: crate::simd::Backend = crate::simd::Backend::Avx512;
     const REGS: usize = 32;
     const L: usize = 16;
     type F = __m512;

@@ -99,8 +99,6 @@ pub(crate) unsafe trait Simd: Copy {
     const L: usize;
     /// Tokens per tile; equals `L` so one tile's scores fill one vector.
     const T: usize = Self::L;
-    /// The backend this token runs.
-    const BACKEND: super::Backend;
 
     /// This token as an [`Avx512`] one, where it is one (for the few loops
     /// that have an AVX-512-only version).
