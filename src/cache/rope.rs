@@ -346,7 +346,7 @@ impl RopeTable {
                 let j2 = below(reach * hd);
                 if row != Some(k) {
                     for (qi, ab) in q.chunks_exact(hd).zip(turned.chunks_exact_mut(2 * hd)) {
-                        self.turn_back_pairs(qi, k, ab);
+                        self.turn_back(qi, k, |c, a, b| (ab[2 * c], ab[2 * c + 1]) = (a, b));
                     }
                     row = Some(k);
                 }
@@ -411,11 +411,10 @@ impl RopeTable {
         // and `sign·x_partner` per channel.
         let mut ents: Vec<(u32, u32, f32, f32)> = Vec::new();
         let (mut ta, mut tb) = (vec![0f32; hd], vec![0f32; hd]);
-        let mut qb = vec![0f32; hd];
         let mut flush = |k: usize, ents: &mut Vec<(u32, u32, f32, f32)>| {
             for i in 0..rows {
                 let qi = &q[i * hd..(i + 1) * hd];
-                self.turn_back(qi, k, &chan, &mut qb, &mut ta, &mut tb);
+                self.turn_back(qi, k, |c, a, b| (ta[c], tb[c]) = (a, b));
                 let oi = &mut out[i * stride..];
                 for &(t, c, wc, ws) in ents.iter() {
                     oi[t as usize] += ta[c as usize] * wc + tb[c as usize] * ws;
@@ -448,76 +447,38 @@ impl RopeTable {
         }
     }
 
-    /// `a[c] = (R(−hi)·q)_c` and `b[c] = sign_c·(R(−hi)·q)_partner(c)` for
-    /// the coarse row `k` (`hi = k·256`), `chan` from
-    /// [`channels`](Self::channels); channels beyond it `(q_c, 0)`. `qb` is
-    /// scratch of `hd` floats.
-    fn turn_back(
-        &self,
-        q: &[f32],
-        k: usize,
-        chan: &[(u32, u32, f32)],
-        qb: &mut [f32],
-        a: &mut [f32],
-        b: &mut [f32],
-    ) {
-        let lanes = self.lanes();
+    /// `put(c, a, b)` for every channel `c` of `q`, with `a = (R(−hi)·q)_c`
+    /// and `b = sign_c·(R(−hi)·q)_partner(c)` for the coarse row `k` (`hi =
+    /// k·256`; partner and sign as [`channels`](Self::channels) gives
+    /// them); channels beyond the rotary dims `(q_c, 0)`. Per pairing, so
+    /// each pair's two turned channels are formed once:
+    /// `(R(−hi)·q)_c = q_c·cos + sign·q_partner·sin`, as for `lo`.
+    fn turn_back(&self, q: &[f32], k: usize, mut put: impl FnMut(usize, f32, f32)) {
+        let (lanes, dims) = (self.lanes(), self.rope.dims);
         let (hc, hs) = (
             &self.hi.0[k * lanes..(k + 1) * lanes],
             &self.hi.1[k * lanes..(k + 1) * lanes],
         );
-        // `(R(−hi)·q)_c = q_c·cos + sign·q_partner·sin`, as for `lo`.
-        for (c, o) in qb.iter_mut().enumerate() {
-            *o = match chan.get(c) {
-                Some(&(lane, partner, sign)) => {
-                    q[c] * hc[lane as usize] + sign * q[partner as usize] * hs[lane as usize]
-                }
-                None => q[c],
-            };
-        }
-        for (c, (a, b)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
-            (*a, *b) = match chan.get(c) {
-                Some(&(_, partner, sign)) => (qb[c], sign * qb[partner as usize]),
-                None => (qb[c], 0.0),
-            };
-        }
-    }
-
-    /// [`turn_back`](Self::turn_back) of a head whose channels all rotate
-    /// (`hd` = `dims`, the case [`kernels::rope::rope_outliers_take`]
-    /// takes), written per pairing so it vectorizes: `ab[2c] = a[c]`,
-    /// `ab[2c + 1] = b[c]`, the same products.
-    fn turn_back_pairs(&self, q: &[f32], k: usize, ab: &mut [f32]) {
-        let lanes = self.lanes();
-        let (hc, hs) = (
-            &self.hi.0[k * lanes..(k + 1) * lanes],
-            &self.hi.1[k * lanes..(k + 1) * lanes],
-        );
+        // The pair `(x, y)` = `(q_c, q_partner)` of its first channel `c`
+        // and its lane's `(cos, +sin)`.
+        let mut pair = |c: usize, d: usize, (x, y): (f32, f32), (co, si): (f32, f32)| {
+            let (tx, ty) = (x * co + y * si, y * co + -x * si);
+            put(c, tx, ty);
+            put(d, ty, -tx);
+        };
         if self.adjacent() {
             // Lanes `2i` and `2i + 1` hold the pair's cosine twice and its
-            // sine as `−sin, +sin`; each channel reads its partner's lane
-            // sign from the second (`sign·sin` with `sign = ±1`).
-            for (((o, q), c), s) in ab
-                .chunks_exact_mut(4)
-                .zip(q.chunks_exact(2))
-                .zip(hc.chunks_exact(2))
-                .zip(hs.chunks_exact(2))
-            {
-                let (x, y) = (q[0], q[1]);
-                let (tx, ty) = (x * c[1] + y * s[1], y * c[1] + -x * s[1]);
-                o.copy_from_slice(&[tx, ty, ty, -tx]);
+            // sine as `−sin, +sin`: both channels read the second.
+            for c in (0..dims).step_by(2) {
+                pair(c, c + 1, (q[c], q[c + 1]), (hc[c + 1], hs[c + 1]));
             }
         } else {
-            let (qx, qy) = q.split_at(lanes);
-            let (ax, ay) = ab.split_at_mut(2 * lanes);
-            for i in 0..lanes {
-                let (x, y) = (qx[i], qy[i]);
-                let (tx, ty) = (x * hc[i] + y * hs[i], y * hc[i] + -x * hs[i]);
-                ax[2 * i] = tx;
-                ax[2 * i + 1] = ty;
-                ay[2 * i] = ty;
-                ay[2 * i + 1] = -tx;
+            for c in 0..lanes {
+                pair(c, c + lanes, (q[c], q[c + lanes]), (hc[c], hs[c]));
             }
+        }
+        for (c, &x) in q.iter().enumerate().skip(dims) {
+            put(c, x, 0.0);
         }
     }
 
