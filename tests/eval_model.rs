@@ -132,7 +132,14 @@ impl Coarse {
 }
 
 impl RoundTrip for Coarse {
-    fn round_trip(&self, x: &mut [f32], n: usize, nkv: usize, hd: usize) -> Result<(), String> {
+    fn round_trip(
+        &self,
+        _: usize,
+        x: &mut [f32],
+        n: usize,
+        nkv: usize,
+        hd: usize,
+    ) -> Result<(), String> {
         assert_eq!(x.len(), n * nkv * hd);
         self.apply(x);
         Ok(())
@@ -144,7 +151,14 @@ impl RoundTrip for Coarse {
 struct Identity(std::cell::Cell<usize>);
 
 impl RoundTrip for Identity {
-    fn round_trip(&self, _: &mut [f32], _: usize, _: usize, _: usize) -> Result<(), String> {
+    fn round_trip(
+        &self,
+        _: usize,
+        _: &mut [f32],
+        _: usize,
+        _: usize,
+        _: usize,
+    ) -> Result<(), String> {
         self.0.set(self.0.get() + 1);
         Ok(())
     }
@@ -1795,4 +1809,62 @@ fn layer_weights_measure_each_layer() {
     let all_sinks = plan_captures(&m, &both, None, 96).unwrap();
     let none = layer_weights(&m, &both, None, &all_sinks, spec(96)).unwrap();
     assert_eq!(none, vec![0.0; 3]);
+}
+
+/// The channel-width study ([`kvq_eval::alloc`]): each head spends exactly
+/// its budget, and on the window it was fitted to the widths lower the
+/// error of the scores `q·k` against one width for every channel.
+#[test]
+fn channel_widths_spend_the_budget_and_lower_the_score_error() {
+    use kvq_eval::alloc::ChannelBits;
+    use kvq_eval::model::RoundTrip;
+    let mut m = Model::random(tiny_config(RopeStyle::Halves), 31, false);
+    // Keys whose channels differ in scale, as real ones do: the rows of
+    // `wk` for channels 0 and 4 (a rotary pair) of every head ten times
+    // larger, those of channels 1 and 5 a tenth.
+    let hd = m.cfg.head_dim;
+    for w in &mut m.layers {
+        for (r, mut row) in w.wk.rows_mut().into_iter().enumerate() {
+            match r % hd {
+                0 | 4 => row.mapv_inplace(|v| v * 10.0),
+                1 | 5 => row.mapv_inplace(|v| v * 0.1),
+                _ => {}
+            }
+        }
+    }
+    let c = &m.cfg;
+    let toks = tokens(96, c.vocab_size, 4);
+    let cap = kvq_eval::ppl::capture_window(&m, &toks).unwrap();
+    let (n_kv, n_q) = (c.n_kv_heads, c.n_heads);
+    let fit = ChannelBits::fit(c, std::slice::from_ref(&cap), 3.0, 16).unwrap();
+    let one = ChannelBits::uniform(c.n_layers, n_kv, hd, 3, 16);
+    let score_error = |a: &ChannelBits| -> f64 {
+        let mut e = 0.0;
+        for (l, lc) in cap.layers.iter().enumerate() {
+            let mut k = lc.k_pre_rope.clone();
+            a.round_trip(l, &mut k, toks.len(), n_kv, hd).unwrap();
+            m.apply_rope(&mut k, n_kv * hd, 0, l);
+            for qr in lc.q.chunks_exact(n_q * hd) {
+                for (kr, kx) in k.chunks_exact(n_kv * hd).zip(lc.k.chunks_exact(n_kv * hd)) {
+                    for (h, q) in qr.chunks_exact(hd).enumerate() {
+                        let g = h / (n_q / n_kv) * hd;
+                        let d: f32 = (0..hd).map(|i| q[i] * (kr[g + i] - kx[g + i])).sum();
+                        e += f64::from(d).powi(2);
+                    }
+                }
+            }
+        }
+        e
+    };
+    for l in 0..c.n_layers {
+        for h in fit.layer(l).chunks_exact(hd) {
+            assert_eq!(h.iter().map(|&b| usize::from(b)).sum::<usize>(), 3 * hd);
+        }
+        assert_eq!(one.effective_bits(l), 3.0 + 2.0);
+    }
+    let (ef, eo) = (score_error(&fit), score_error(&one));
+    assert!(ef < 0.5 * eo, "fitted {ef} against one width {eo}");
+    // A budget past 8 bits or an empty calibration set is refused.
+    assert!(ChannelBits::fit(c, std::slice::from_ref(&cap), 9.0, 16).is_err());
+    assert!(ChannelBits::fit(c, &[], 3.0, 16).is_err());
 }

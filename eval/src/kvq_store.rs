@@ -13,6 +13,7 @@ pub struct CodecRoundTrip(pub Codec);
 impl RoundTrip for CodecRoundTrip {
     fn round_trip(
         &self,
+        _layer: usize,
         x: &mut [f32],
         _n_tokens: usize,
         n_kv_heads: usize,

@@ -17,6 +17,7 @@
 //! * [`programs`]: the examples' command lines (`clap`) and their bodies;
 //!   each example is `fn main() { kvq_eval::program(programs::X::run) }`.
 
+pub mod alloc;
 pub mod assets;
 pub mod capture;
 #[cfg(feature = "engine")]

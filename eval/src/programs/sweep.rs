@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example sweep -- [--model smollm2|gemma|PATH]
-//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit|outliers]
+//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit|outliers|alloc]
 //!     [--full] [--budgets B,B] [--calib austen|code|PATH]
 //!     [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
@@ -20,11 +20,12 @@
 //! the uniform grids of the same and half a bit more), `prerope` (per-channel
 //! keys stored before RoPE against after it, 2–4 bits), `budget`
 //! (per-channel keys with rotated Lloyd-Max values at 4.25–5 bits),
-//! `rotation` (every uniform scheme with and without the Hadamard rotation)
+//! `rotation` (every uniform scheme with and without the Hadamard rotation),
 //! `plan` (what `kvq::Planner` chooses from a held-out window at each
-//! of `--budgets`: its per-layer allocation and its best single pair) and
+//! of `--budgets`: its per-layer allocation and its best single pair),
 //! `fit` (codebooks fitted per layer to a held-out window, against the
-//! Lloyd-Max tables they start from).
+//! Lloyd-Max tables they start from), and `alloc` (a study: key channels at
+//! widths fitted by query energy, against one width, [`crate::alloc`]).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
 //! (pip + apt, checked by sha256). For every domain and configuration it
@@ -50,8 +51,10 @@ use clap::Parser;
 use kvq::{Axis, Codec, Group, Levels, QuantScheme, Rotation};
 use serde::Serialize;
 
+use crate::alloc::ChannelBits;
 use crate::capture::{Capture, LayerCapture};
 use crate::kvq_store::{CacheSpec, CodecRoundTrip, KvqStore};
+use crate::model::RoundTrip;
 use crate::model::{Hooks, Model, QuantPoint};
 use crate::ppl::{
     capture_window, perplexity_kl, with_bos, EvalPath, Kl, KlReport, PplOptions, Reference,
@@ -207,6 +210,11 @@ pub enum GridKind {
     /// per-channel blocks with them beside rotated Lloyd-Max values, near
     /// 3 and 3.5 effective bits.
     Outliers,
+    /// A study of key channels at different widths within a head
+    /// ([`crate::alloc`], fitted on the held-out windows): keys before
+    /// RoPE at the same per-channel grid, one width for every channel or
+    /// widths by query energy, alone and beside rotated Lloyd-Max values.
+    Alloc,
 }
 
 impl std::str::FromStr for GridKind {
@@ -225,9 +233,10 @@ impl std::str::FromStr for GridKind {
             "plan" => Ok(GridKind::Plan),
             "fit" => Ok(GridKind::Fit),
             "outliers" => Ok(GridKind::Outliers),
+            "alloc" => Ok(GridKind::Alloc),
             _ => Err(format!(
                 "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope, \
-                 budget, rotation, plan, fit, outliers)"
+                 budget, rotation, plan, fit, outliers, alloc)"
             )),
         }
     }
@@ -248,6 +257,10 @@ pub struct Config {
     /// Per-layer key and value codecs, in place of `spec`'s (whose windows
     /// and RoPE placement still apply): a planned allocation.
     pub layers: Option<Vec<(Option<Codec>, Option<Codec>)>>,
+    /// Keys round-tripped after `k_norm` at per-channel widths
+    /// ([`crate::alloc`]) in place of any key codec: the cache keeps them
+    /// exact.
+    pub key_bits: Option<std::sync::Arc<ChannelBits>>,
 }
 
 impl Config {
@@ -259,12 +272,16 @@ impl Config {
             spec,
             key_point: QuantPoint::AfterRope,
             layers: None,
+            key_bits: None,
         }
     }
 
     /// Whether this is the full-precision baseline.
     pub fn is_baseline(&self) -> bool {
-        self.layers.is_none() && self.spec.keys.is_none() && self.spec.values.is_none()
+        self.layers.is_none()
+            && self.key_bits.is_none()
+            && self.spec.keys.is_none()
+            && self.spec.values.is_none()
     }
 
     /// Layer `l`'s key and value codecs.
@@ -288,7 +305,11 @@ impl Config {
         let sum: f64 = (0..n_layers)
             .map(|l| {
                 let (k, v) = self.codecs(l);
-                (eb(k) + eb(v)) / 2.0
+                let kb = self
+                    .key_bits
+                    .as_ref()
+                    .map_or(eb(k), |a| a.effective_bits(l));
+                (kb + eb(v)) / 2.0
             })
             .sum();
         sum / n_layers as f64
@@ -304,6 +325,9 @@ impl Config {
 
     /// The cache the store holds and the key round trip the model applies.
     pub fn store_and_hook(&self) -> (CacheSpec, Option<(QuantPoint, CodecRoundTrip)>) {
+        if self.key_bits.is_some() {
+            return (self.spec, None);
+        }
         match (self.key_point, self.spec.key_codec()) {
             (QuantPoint::AfterRope, _) | (_, None) => (self.spec, None),
             (point, Some(codec)) => (
@@ -368,7 +392,7 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
     match kind {
         GridKind::Default => {}
         // Planned or fitted in `run`, which has the model to calibrate on.
-        GridKind::Plan | GridKind::Fit => return g,
+        GridKind::Plan | GridKind::Fit | GridKind::Alloc => return g,
         GridKind::Rotation => {
             let (g32, g64) = (Group::Size(32), Group::Size(64));
             let mut plain = Vec::new();
@@ -913,6 +937,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
     match kind {
         GridKind::Plan => configs.extend(plan_grid(&model, &tok, &args, &opts)?),
         GridKind::Fit => configs.extend(fit_grid(&model, &tok, &args, &opts)?),
+        GridKind::Alloc => configs.extend(alloc_grid(&model, &tok, &args, &opts)?),
         _ => {}
     }
     if let Some(only) = &args.only {
@@ -951,9 +976,15 @@ pub fn run(args: Args) -> Result<(), BoxError> {
             let (store_spec, hook) = c.store_and_hook();
             let mut store = c.store(&model.cfg, store_spec)?;
             let mut hooks = Hooks {
-                k: hook
-                    .as_ref()
-                    .map(|(p, rt)| (*p, rt as &dyn crate::model::RoundTrip)),
+                k: match &c.key_bits {
+                    Some(a) => Some((
+                        QuantPoint::AfterKNorm,
+                        a.as_ref() as &dyn crate::model::RoundTrip,
+                    )),
+                    None => hook
+                        .as_ref()
+                        .map(|(p, rt)| (*p, rt as &dyn crate::model::RoundTrip)),
+                },
                 ..Hooks::default()
             };
             let t = Instant::now();
@@ -992,6 +1023,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
                 // pre-RoPE keys; after `k_proj` of a model with `k_norm`
                 // the capture has no keys to compare.
                 attention_kl: match hook.as_ref().map(|h| h.0) {
+                    None if c.key_bits.is_some() => attention_kl_pre_rope(&cap, c, &model)?,
                     None if c.spec.pre_rope => attention_kl_pre_rope(&cap, c, &model)?,
                     None => attention_kl(&cap, c)?,
                     Some(QuantPoint::AfterKNorm) => attention_kl_pre_rope(&cap, c, &model)?,
@@ -1155,7 +1187,20 @@ pub fn attention_kl_pre_rope(cap: &Capture, c: &Config, model: &Model) -> Result
     }
     let (n_kv, hd) = (cap.n_kv_heads, cap.head_dim);
     attention_kl_with(cap, c, |li, l, k| {
-        let mut k = hat(&l.k_pre_rope, k, n_kv, hd)?;
+        let mut k = match &c.key_bits {
+            Some(a) => {
+                let mut k = l.k_pre_rope.clone();
+                let t = k.len() / (n_kv * hd);
+                a.round_trip(li, &mut k, t, n_kv, hd).map_err(|what| {
+                    kvq::Error::InvalidConfig {
+                        op: "channel bits",
+                        what,
+                    }
+                })?;
+                k
+            }
+            None => hat(&l.k_pre_rope, k, n_kv, hd)?,
+        };
         model.apply_rope(&mut k, n_kv * hd, cap.pos0, li);
         Ok(k)
     })
@@ -1616,5 +1661,91 @@ pub fn plan_configs(
         });
     }
     eprintln!("planned in {:.1}s", t.elapsed().as_secs_f64());
+    Ok(out)
+}
+
+/// [`GridKind::Alloc`]: per-channel key widths ([`ChannelBits`]) fitted on
+/// the held-out windows of `args.calib` (as [`plan_grid`] takes them),
+/// against one width for every channel through the same round trip, keys
+/// before RoPE in blocks of 64 tokens: keys alone (values exact) at 2, 2.5,
+/// 3 and 4 code bits, then beside rotated Lloyd-Max values near 3 and 3.25
+/// effective bits.
+pub fn alloc_grid(
+    model: &Model,
+    tok: &crate::tokenizer::Tokenizer,
+    args: &Args,
+    opts: &PplOptions,
+) -> Result<Vec<Config>, BoxError> {
+    let t = Instant::now();
+    let held = held_windows(tok, args, opts)?;
+    let caps = held
+        .iter()
+        .map(|w| capture_window(model, &with_bos(w, opts.bos)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let cfg = &model.cfg;
+    let spec = CacheSpec {
+        residual: args.residual,
+        sinks: args.sinks,
+        ..CacheSpec::FULL
+    };
+    const BLOCK: usize = 64;
+    let fit = |bits: f64| -> Result<std::sync::Arc<ChannelBits>, BoxError> {
+        Ok(std::sync::Arc::new(ChannelBits::fit(
+            cfg, &caps, bits, BLOCK,
+        )?))
+    };
+    let one = |bits: u8| {
+        std::sync::Arc::new(ChannelBits::uniform(
+            cfg.n_layers,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            bits,
+            BLOCK,
+        ))
+    };
+    let keys_only = |name: String, a: std::sync::Arc<ChannelBits>| Config {
+        key_bits: Some(a),
+        ..Config::new(name, spec)
+    };
+    let with_values = |name: String, a: std::sync::Arc<ChannelBits>, v: Codec| Config {
+        key_bits: Some(a),
+        layers: Some(vec![(None, Some(v)); cfg.n_layers]),
+        ..Config::new(name, spec)
+    };
+    let mut out = Vec::new();
+    let mut fitted = Vec::new();
+    for b in [2.0, 2.5, 3.0] {
+        let a = fit(b)?;
+        eprintln!(
+            "channel widths {b}: counts by width 0..=8 {:?}",
+            a.histogram()
+        );
+        fitted.push((b, a));
+    }
+    for (b, a) in &fitted {
+        out.push(keys_only(format!("K{b} pc64 by channel"), a.clone()));
+    }
+    for b in [2, 3, 4] {
+        out.push(keys_only(format!("K{b} pc64 every channel"), one(b)));
+    }
+    let by = |b: f64| fitted.iter().find(|(x, _)| *x == b).map(|(_, a)| a.clone());
+    if let (Some(a25), Some(a3)) = (by(2.5), by(3.0)) {
+        out.push(with_values(
+            "K3 pc64 by channel / H·V gauss2 pt32".into(),
+            a3,
+            gauss(2, 32),
+        ));
+        out.push(with_values(
+            "K2.5 pc64 by channel / H·V gauss3 pt32".into(),
+            a25,
+            gauss(3, 32),
+        ));
+    }
+    out.push(with_values(
+        "K3 pc64 every channel / H·V gauss2 pt32".into(),
+        one(3),
+        gauss(2, 32),
+    ));
+    eprintln!("channel widths fitted in {:.1}s", t.elapsed().as_secs_f64());
     Ok(out)
 }

@@ -1,0 +1,381 @@
+//! Key channels at different bit widths within a head: a study of what a
+//! mixed-width per-channel key format would buy, run as a quantize-dequantize
+//! [`RoundTrip`] on the keys before RoPE (no such format exists in `kvq`).
+//!
+//! Per-channel keys give every channel of a head the same bits. Where a
+//! channel's error reaches the scores depends on the queries: the score
+//! error of a key error `Δk` before RoPE is `Σ_pairs (R(p)ᵀq)_pair·Δk_pair`,
+//! and a rotation keeps each pair's query energy, so channel `c` weighs in
+//! with its pair's mean query energy `a_c` (summed over the query heads of
+//! its KV head). [`ChannelBits::fit`] measures, on calibration windows,
+//! each channel's mean squared error `D_c(b)` at `b = 0..=8` bits (0: the
+//! block's mean only) and hands out a head's budget of code bits greedily by
+//! the largest drop of `a_c·D_c` per bit, looking one to three bits ahead
+//! (the drop from 0 to 1 bit can be smaller than from 1 to 2).
+//!
+//! Each channel is stored as `kvq`'s per-channel asymmetric grid of its
+//! width (blocks of `block` tokens, an `f16` scale and zero per block); a
+//! 0-bit channel keeps its block mean as one `f16`.
+//! [`ChannelBits::effective_bits`] counts codes and params exactly.
+
+use crate::capture::Capture;
+use crate::model::{Config, RopeStyle, RoundTrip};
+use kvq::{Axis, Codec, Group, QuantScheme};
+
+/// Widest channel the greedy hands out.
+const MAX_BITS: u8 = 8;
+
+/// Per-layer, per-channel key widths (see the [module docs](self)).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChannelBits {
+    block: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    /// `bits[layer][head·head_dim + c]`.
+    bits: Vec<Vec<u8>>,
+}
+
+/// `x` (`[tokens, width]`, `width` a multiple of 8) with every channel
+/// quantized at `bits` per-channel in blocks of `block` tokens (channels
+/// are independent on this axis, so one call serves every channel of that
+/// width).
+fn at_width(x: &[f32], width: usize, bits: u8, block: usize) -> Result<Vec<f32>, String> {
+    if bits == 0 {
+        let mut out = x.to_vec();
+        for rows in out.chunks_mut(block * width) {
+            let n = rows.len() / width;
+            for c in 0..width {
+                let mean = rows
+                    .iter()
+                    .skip(c)
+                    .step_by(width)
+                    .map(|&v| f64::from(v))
+                    .sum::<f64>()
+                    / n as f64;
+                let m = half::f16::from_f64(mean).to_f32();
+                rows.iter_mut().skip(c).step_by(width).for_each(|v| *v = m);
+            }
+        }
+        return Ok(out);
+    }
+    let s =
+        QuantScheme::new(bits, Axis::PerChannel, Group::Size(block)).map_err(|e| e.to_string())?;
+    Codec::uniform(s)
+        .roundtrip(x, 1, width)
+        .map_err(|e| e.to_string())
+}
+
+/// Index of the channel `c` rotates with under `style` (itself outside the
+/// rotary channels).
+fn partner(c: usize, style: RopeStyle, rope_dim: usize) -> usize {
+    if c >= rope_dim {
+        return c;
+    }
+    match style {
+        RopeStyle::Adjacent => c ^ 1,
+        RopeStyle::Halves => (c + rope_dim / 2) % rope_dim,
+    }
+}
+
+impl ChannelBits {
+    /// Fit the widths on `caps` (calibration windows of the model `cfg`,
+    /// with pre-RoPE keys): `code_bits` mean code bits per channel in every
+    /// head, per-channel blocks of `block` tokens.
+    ///
+    /// # Errors
+    /// Captures without pre-RoPE keys or of another shape, a budget outside
+    /// `0..=8`, or a block of 0.
+    pub fn fit(
+        cfg: &Config,
+        caps: &[Capture],
+        code_bits: f64,
+        block: usize,
+    ) -> Result<Self, String> {
+        let (n_kv, hd, n_q) = (cfg.n_kv_heads, cfg.head_dim, cfg.n_heads);
+        if caps.is_empty() || caps.iter().any(|c| !c.has_k_pre_rope()) {
+            return Err("channel bits: calibration captures with pre-RoPE keys needed".into());
+        }
+        if caps.iter().any(|c| {
+            c.n_kv_heads != n_kv
+                || c.head_dim != hd
+                || c.n_q_heads != n_q
+                || c.layers.len() != cfg.n_layers
+        }) {
+            return Err("channel bits: a capture does not match the model's shape".into());
+        }
+        if !(0.0..=f64::from(MAX_BITS)).contains(&code_bits) || block == 0 {
+            return Err(format!(
+                "channel bits: budget {code_bits} or block {block} out of range"
+            ));
+        }
+        let group = n_q / n_kv;
+        let width = n_kv * hd;
+        let total = (code_bits * hd as f64).round() as usize;
+        let mut bits = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            // Query energy per channel of each KV head, pairs pooled.
+            let mut energy = vec![0f64; width];
+            let mut n_rows = 0usize;
+            for cap in caps {
+                let q = &cap.layers[l].q;
+                for row in q.chunks_exact(n_q * hd) {
+                    for (qh, qv) in row.chunks_exact(hd).enumerate() {
+                        let h = qh / group;
+                        for (c, &v) in qv.iter().enumerate() {
+                            energy[h * hd + c] += f64::from(v) * f64::from(v);
+                        }
+                    }
+                }
+                n_rows += q.len() / (n_q * hd);
+            }
+            let a: Vec<f64> = (0..width)
+                .map(|i| {
+                    let (h, c) = (i / hd, i % hd);
+                    let p = partner(c, cfg.rope_style, cfg.rope_dim.min(hd));
+                    (energy[h * hd + c] + energy[h * hd + p]) / n_rows.max(1) as f64
+                })
+                .collect();
+            // Each channel's mean squared error at every width.
+            let mut d = vec![[0f64; MAX_BITS as usize + 1]; width];
+            for cap in caps {
+                let k = &cap.layers[l].k_pre_rope;
+                for b in 0..=MAX_BITS {
+                    let r = at_width(k, width, b, block)?;
+                    for (i, (&y, &x)) in r.iter().zip(k).enumerate() {
+                        d[i % width][b as usize] += f64::from(y - x).powi(2);
+                    }
+                }
+            }
+            let mut lb = vec![0u8; width];
+            for h in 0..n_kv {
+                let range = h * hd..(h + 1) * hd;
+                let head = greedy(&a[range.clone()], &d[range.clone()], total);
+                lb[range].copy_from_slice(&head);
+            }
+            bits.push(lb);
+        }
+        Ok(ChannelBits {
+            block,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+            bits,
+        })
+    }
+
+    /// Every channel of every head at `bits`: the plain per-channel grid
+    /// through the same round trip.
+    pub fn uniform(
+        n_layers: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        bits: u8,
+        block: usize,
+    ) -> Self {
+        ChannelBits {
+            block,
+            n_kv_heads,
+            head_dim,
+            bits: vec![vec![bits.min(MAX_BITS); n_kv_heads * head_dim]; n_layers],
+        }
+    }
+
+    /// The widths of layer `l`, `[head·head_dim + c]`.
+    pub fn layer(&self, l: usize) -> &[u8] {
+        &self.bits[l]
+    }
+
+    /// Stored bits per key element of layer `l`: the codes, an `f16` scale
+    /// and zero per channel and block (the mean alone for a 0-bit channel).
+    pub fn effective_bits(&self, l: usize) -> f64 {
+        let b = &self.bits[l];
+        let per = |w: u8| f64::from(w) + if w == 0 { 16.0 } else { 32.0 } / self.block as f64;
+        b.iter().map(|&w| per(w)).sum::<f64>() / b.len() as f64
+    }
+
+    /// Count of channels at each width, over every layer and head.
+    pub fn histogram(&self) -> [usize; MAX_BITS as usize + 1] {
+        let mut h = [0; MAX_BITS as usize + 1];
+        self.bits.iter().flatten().for_each(|&w| h[w as usize] += 1);
+        h
+    }
+}
+
+/// Hand out `total` code bits over the channels of one head: at each step
+/// the jump of one to three bits with the largest drop of `a·D` per bit.
+fn greedy(a: &[f64], d: &[[f64; MAX_BITS as usize + 1]], total: usize) -> Vec<u8> {
+    let mut bits = vec![0u8; a.len()];
+    let mut left = total.min(a.len() * MAX_BITS as usize);
+    while left > 0 {
+        let mut best: Option<(f64, usize, usize)> = None;
+        for (c, (&ac, dc)) in a.iter().zip(d).enumerate() {
+            let b = bits[c] as usize;
+            for j in 1..=3usize.min(left) {
+                if b + j > MAX_BITS as usize {
+                    break;
+                }
+                let slope = ac * (dc[b] - dc[b + j]) / j as f64;
+                if best.is_none_or(|(s, _, _)| slope > s) {
+                    best = Some((slope, c, j));
+                }
+            }
+        }
+        let Some((_, c, j)) = best else { break };
+        bits[c] += j as u8;
+        left -= j;
+    }
+    bits
+}
+
+impl RoundTrip for ChannelBits {
+    fn round_trip(
+        &self,
+        layer: usize,
+        x: &mut [f32],
+        n_tokens: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<(), String> {
+        let width = n_kv_heads * head_dim;
+        if n_kv_heads != self.n_kv_heads || head_dim != self.head_dim || layer >= self.bits.len() {
+            return Err(format!(
+                "channel bits: fitted for {} layers of {}x{}, got layer {layer} of {n_kv_heads}x{head_dim}",
+                self.bits.len(),
+                self.n_kv_heads,
+                self.head_dim
+            ));
+        }
+        if x.len() != n_tokens * width {
+            return Err(format!(
+                "channel bits: {} values for {n_tokens} tokens of {width}",
+                x.len()
+            ));
+        }
+        let widths = &self.bits[layer];
+        let mut done = [false; MAX_BITS as usize + 1];
+        let src = x.to_vec();
+        for &b in widths {
+            if std::mem::replace(&mut done[b as usize], true) {
+                continue;
+            }
+            let r = at_width(&src, width, b, self.block)?;
+            for (i, (y, &w)) in x.iter_mut().zip(widths.iter().cycle()).enumerate() {
+                if w == b {
+                    *y = r[i];
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_spends_the_budget_where_it_pays() {
+        // Channel 0 matters 100x more than channel 1; both lose 4x per bit.
+        let d: Vec<[f64; 9]> = (0..2)
+            .map(|_| std::array::from_fn(|b| 4f64.powi(-(b as i32))))
+            .collect();
+        let bits = greedy(&[100.0, 1.0], &d, 8);
+        assert_eq!(bits.iter().map(|&b| b as usize).sum::<usize>(), 8);
+        // 100x is log4(100) ≈ 3.3 bits of lead at equal marginal drops.
+        assert!(bits[0] >= bits[1] + 3, "{bits:?}");
+        // A budget past 8 bits a channel stops at the cap.
+        assert_eq!(greedy(&[1.0, 1.0], &d, 40), vec![8, 8]);
+    }
+
+    #[test]
+    fn zero_bits_keep_the_block_mean() {
+        // Channel 0 counts up, channel 1 down; 8 channels a row.
+        let x: Vec<f32> = (0..10)
+            .flat_map(|i| {
+                let mut r = [0f32; 8];
+                r[0] = i as f32;
+                r[1] = -(i as f32);
+                r
+            })
+            .collect();
+        let r = at_width(&x, 8, 0, 4).unwrap();
+        let col = |c: usize| r.iter().skip(c).step_by(8).copied().collect::<Vec<_>>();
+        assert_eq!(
+            col(0),
+            vec![1.5, 1.5, 1.5, 1.5, 5.5, 5.5, 5.5, 5.5, 8.5, 8.5]
+        );
+        assert_eq!(
+            col(1),
+            vec![-1.5, -1.5, -1.5, -1.5, -5.5, -5.5, -5.5, -5.5, -8.5, -8.5]
+        );
+        assert!(col(2).iter().all(|&v| v == 0.0));
+    }
+
+    fn noise(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = crate::model::SplitMix64(seed);
+        (0..n).map(|_| r.uniform()).collect()
+    }
+
+    #[test]
+    fn one_width_is_the_per_channel_grid() {
+        let (t, n_kv, hd) = (100, 2, 16);
+        let x = noise(t * n_kv * hd, 7);
+        for b in [2u8, 3, 4, 8] {
+            let mut y = x.clone();
+            ChannelBits::uniform(1, n_kv, hd, b, 32)
+                .round_trip(0, &mut y, t, n_kv, hd)
+                .unwrap();
+            let s = QuantScheme::new(b, Axis::PerChannel, Group::Size(32)).unwrap();
+            assert_eq!(
+                y,
+                Codec::uniform(s).roundtrip(&x, n_kv, hd).unwrap(),
+                "{b} bits"
+            );
+        }
+    }
+
+    #[test]
+    fn mixed_widths_quantize_each_channel_at_its_own() {
+        let (t, n_kv, hd) = (70, 2, 8);
+        let x = noise(t * n_kv * hd, 9);
+        let widths: Vec<u8> = (0..n_kv * hd).map(|i| [0, 2, 3, 4, 8][i % 5]).collect();
+        let a = ChannelBits {
+            block: 32,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+            bits: vec![widths.clone()],
+        };
+        let mut y = x.clone();
+        a.round_trip(0, &mut y, t, n_kv, hd).unwrap();
+        for b in [0u8, 2, 3, 4, 8] {
+            let r = at_width(&x, n_kv * hd, b, 32).unwrap();
+            for (i, (&got, &want)) in y.iter().zip(&r).enumerate() {
+                if widths[i % (n_kv * hd)] == b {
+                    assert_eq!(got, want, "element {i} at {b} bits");
+                }
+            }
+        }
+        // 2/5 of the channels hold 0 bits and a mean, the rest codes and
+        // a scale and zero per block of 32.
+        let eb = widths
+            .iter()
+            .map(|&w| f64::from(w) + if w == 0 { 0.5 } else { 1.0 })
+            .sum::<f64>()
+            / 16.0;
+        assert!((a.effective_bits(0) - eb).abs() < 1e-12);
+        // Another shape or layer is refused, and the rows are untouched.
+        let mut z = x.clone();
+        assert!(a.round_trip(1, &mut z, t, n_kv, hd).is_err());
+        assert!(a.round_trip(0, &mut z, t, 1, 2 * hd).is_err());
+        assert!(a.round_trip(0, &mut z[..8], t, n_kv, hd).is_err());
+        assert_eq!(z, x);
+    }
+
+    #[test]
+    fn partners_follow_the_rope_style() {
+        assert_eq!(partner(4, RopeStyle::Adjacent, 64), 5);
+        assert_eq!(partner(5, RopeStyle::Adjacent, 64), 4);
+        assert_eq!(partner(4, RopeStyle::Halves, 64), 36);
+        assert_eq!(partner(36, RopeStyle::Halves, 64), 4);
+        assert_eq!(partner(40, RopeStyle::Halves, 32), 40);
+    }
+}
