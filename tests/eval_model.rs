@@ -1864,6 +1864,30 @@ fn channel_widths_spend_the_budget_and_lower_the_score_error() {
     }
     let (ef, eo) = (score_error(&fit), score_error(&one));
     assert!(ef < 0.5 * eo, "fitted {ef} against one width {eo}");
+    // Rotary pairs at one width (halves: channel c with c + hd/2); one
+    // budget per layer, spent across its heads.
+    use kvq_eval::alloc::FitOptions;
+    let caps = std::slice::from_ref(&cap);
+    let opts = |pairs, per_layer| FitOptions {
+        block: 16,
+        pairs,
+        per_layer,
+    };
+    let paired = ChannelBits::fit_with(c, caps, 3.0, opts(true, false)).unwrap();
+    let layered = ChannelBits::fit_with(c, caps, 3.0, opts(false, true)).unwrap();
+    for l in 0..c.n_layers {
+        for h in paired.layer(l).chunks_exact(hd) {
+            assert_eq!(h[..hd / 2], h[hd / 2..], "layer {l}: {h:?}");
+            assert_eq!(h.iter().map(|&b| usize::from(b)).sum::<usize>(), 3 * hd);
+        }
+        let w = layered.layer(l);
+        assert_eq!(
+            w.iter().map(|&b| usize::from(b)).sum::<usize>(),
+            3 * w.len()
+        );
+    }
+    assert!(score_error(&paired) < 0.5 * eo);
+    assert!(score_error(&layered) < 0.5 * eo);
     // A budget past 8 bits or an empty calibration set is refused.
     assert!(ChannelBits::fit(c, std::slice::from_ref(&cap), 9.0, 16).is_err());
     assert!(ChannelBits::fit(c, &[], 3.0, 16).is_err());

@@ -25,6 +25,31 @@ use kvq::{Axis, Codec, Group, QuantScheme};
 /// Widest channel the greedy hands out.
 const MAX_BITS: u8 = 8;
 
+/// How [`ChannelBits::fit_with`] hands out the widths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FitOptions {
+    /// Tokens per per-channel block (each block an `f16` scale and zero
+    /// per channel).
+    pub block: usize,
+    /// Both channels of a rotary pair at one width (what a format that
+    /// keeps pairs together for the scores after RoPE stores).
+    pub pairs: bool,
+    /// One budget for the whole layer, spent across its heads, instead of
+    /// one per head.
+    pub per_layer: bool,
+}
+
+impl Default for FitOptions {
+    /// Blocks of 64 tokens, channels on their own, one budget per head.
+    fn default() -> Self {
+        FitOptions {
+            block: 64,
+            pairs: false,
+            per_layer: false,
+        }
+    }
+}
+
 /// Per-layer, per-channel key widths (see the [module docs](self)).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChannelBits {
@@ -91,6 +116,28 @@ impl ChannelBits {
         code_bits: f64,
         block: usize,
     ) -> Result<Self, String> {
+        Self::fit_with(
+            cfg,
+            caps,
+            code_bits,
+            FitOptions {
+                block,
+                ..FitOptions::default()
+            },
+        )
+    }
+
+    /// [`fit`](Self::fit) with the choices of `opts`.
+    ///
+    /// # Errors
+    /// As [`fit`](Self::fit).
+    pub fn fit_with(
+        cfg: &Config,
+        caps: &[Capture],
+        code_bits: f64,
+        opts: FitOptions,
+    ) -> Result<Self, String> {
+        let block = opts.block;
         let (n_kv, hd, n_q) = (cfg.n_kv_heads, cfg.head_dim, cfg.n_heads);
         if caps.is_empty() || caps.iter().any(|c| !c.has_k_pre_rope()) {
             return Err("channel bits: calibration captures with pre-RoPE keys needed".into());
@@ -110,7 +157,7 @@ impl ChannelBits {
         }
         let group = n_q / n_kv;
         let width = n_kv * hd;
-        let total = (code_bits * hd as f64).round() as usize;
+        let rope_dim = cfg.rope_dim.min(hd);
         let mut bits = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             // Query energy per channel of each KV head, pairs pooled.
@@ -131,7 +178,7 @@ impl ChannelBits {
             let a: Vec<f64> = (0..width)
                 .map(|i| {
                     let (h, c) = (i / hd, i % hd);
-                    let p = partner(c, cfg.rope_style, cfg.rope_dim.min(hd));
+                    let p = partner(c, cfg.rope_style, rope_dim);
                     (energy[h * hd + c] + energy[h * hd + p]) / n_rows.max(1) as f64
                 })
                 .collect();
@@ -146,12 +193,31 @@ impl ChannelBits {
                     }
                 }
             }
-            let mut lb = vec![0u8; width];
-            for h in 0..n_kv {
-                let range = h * hd..(h + 1) * hd;
-                let head = greedy(&a[range.clone()], &d[range.clone()], total);
-                lb[range].copy_from_slice(&head);
-            }
+            // The units that share a width: a channel, or a rotary pair.
+            let units = |h: usize| -> Vec<Vec<usize>> {
+                (0..hd)
+                    .filter_map(|c| {
+                        let p = partner(c, cfg.rope_style, rope_dim);
+                        match (opts.pairs, p) {
+                            (true, p) if p < c => None,
+                            (true, p) if p != c => Some(vec![h * hd + c, h * hd + p]),
+                            _ => Some(vec![h * hd + c]),
+                        }
+                    })
+                    .collect()
+            };
+            let lb = if opts.per_layer {
+                let all: Vec<Vec<usize>> = (0..n_kv).flat_map(units).collect();
+                greedy(&all, &a, &d, (code_bits * width as f64).round() as usize)
+            } else {
+                let mut lb = vec![0u8; width];
+                for h in 0..n_kv {
+                    let w = greedy(&units(h), &a, &d, (code_bits * hd as f64).round() as usize);
+                    let r = h * hd..(h + 1) * hd;
+                    lb[r.clone()].copy_from_slice(&w[r]);
+                }
+                lb
+            };
             bits.push(lb);
         }
         Ok(ChannelBits {
@@ -200,28 +266,40 @@ impl ChannelBits {
     }
 }
 
-/// Hand out `total` code bits over the channels of one head: at each step
-/// the jump of one to three bits with the largest drop of `a·D` per bit.
-fn greedy(a: &[f64], d: &[[f64; MAX_BITS as usize + 1]], total: usize) -> Vec<u8> {
-    let mut bits = vec![0u8; a.len()];
-    let mut left = total.min(a.len() * MAX_BITS as usize);
-    while left > 0 {
+/// Hand out `total` code bits over `units` (channel indices into `a` and
+/// `d` that share a width): at each step the jump of one to three bits
+/// with the largest drop of `Σ a·D` per bit spent. Returns each channel's
+/// width.
+fn greedy(
+    units: &[Vec<usize>],
+    a: &[f64],
+    d: &[[f64; MAX_BITS as usize + 1]],
+    total: usize,
+) -> Vec<u8> {
+    let cost = |u: &[usize], b: usize| u.iter().map(|&c| a[c] * d[c][b]).sum::<f64>();
+    let mut ub = vec![0usize; units.len()];
+    let mut left = total;
+    loop {
         let mut best: Option<(f64, usize, usize)> = None;
-        for (c, (&ac, dc)) in a.iter().zip(d).enumerate() {
-            let b = bits[c] as usize;
-            for j in 1..=3usize.min(left) {
-                if b + j > MAX_BITS as usize {
+        for (i, u) in units.iter().enumerate() {
+            let b = ub[i];
+            for j in 1..=3usize {
+                if b + j > MAX_BITS as usize || j * u.len() > left {
                     break;
                 }
-                let slope = ac * (dc[b] - dc[b + j]) / j as f64;
+                let slope = (cost(u, b) - cost(u, b + j)) / (j * u.len()) as f64;
                 if best.is_none_or(|(s, _, _)| slope > s) {
-                    best = Some((slope, c, j));
+                    best = Some((slope, i, j));
                 }
             }
         }
-        let Some((_, c, j)) = best else { break };
-        bits[c] += j as u8;
-        left -= j;
+        let Some((_, i, j)) = best else { break };
+        ub[i] += j;
+        left -= j * units[i].len();
+    }
+    let mut bits = vec![0u8; a.len()];
+    for (u, &b) in units.iter().zip(&ub) {
+        u.iter().for_each(|&c| bits[c] = b as u8);
     }
     bits
 }
@@ -278,12 +356,17 @@ mod tests {
         let d: Vec<[f64; 9]> = (0..2)
             .map(|_| std::array::from_fn(|b| 4f64.powi(-(b as i32))))
             .collect();
-        let bits = greedy(&[100.0, 1.0], &d, 8);
+        let one = vec![vec![0], vec![1]];
+        let bits = greedy(&one, &[100.0, 1.0], &d, 8);
         assert_eq!(bits.iter().map(|&b| b as usize).sum::<usize>(), 8);
         // 100x is log4(100) ≈ 3.3 bits of lead at equal marginal drops.
         assert!(bits[0] >= bits[1] + 3, "{bits:?}");
         // A budget past 8 bits a channel stops at the cap.
-        assert_eq!(greedy(&[1.0, 1.0], &d, 40), vec![8, 8]);
+        assert_eq!(greedy(&one, &[1.0, 1.0], &d, 40), vec![8, 8]);
+        // A unit of two channels takes one width and two bits a step; an
+        // odd budget leaves the last bit unspent.
+        let pair = vec![vec![0, 1]];
+        assert_eq!(greedy(&pair, &[100.0, 1.0], &d, 7), vec![3, 3]);
     }
 
     #[test]

@@ -51,7 +51,7 @@ use clap::Parser;
 use kvq::{Axis, Codec, Group, Levels, QuantScheme, Rotation};
 use serde::Serialize;
 
-use crate::alloc::ChannelBits;
+use crate::alloc::{ChannelBits, FitOptions};
 use crate::capture::{Capture, LayerCapture};
 use crate::kvq_store::{CacheSpec, CodecRoundTrip, KvqStore};
 use crate::model::RoundTrip;
@@ -1668,7 +1668,8 @@ pub fn plan_configs(
 /// the held-out windows of `args.calib` (as [`plan_grid`] takes them),
 /// against one width for every channel through the same round trip, keys
 /// before RoPE in blocks of 64 tokens: keys alone (values exact) at 2, 2.5,
-/// 3 and 4 code bits, then beside rotated Lloyd-Max values near 3 and 3.25
+/// 3 and 4 code bits, with rotary pairs at one width, one budget per layer
+/// and blocks of 128, then beside rotated Lloyd-Max values near 3 and 3.25
 /// effective bits.
 pub fn alloc_grid(
     model: &Model,
@@ -1725,6 +1726,38 @@ pub fn alloc_grid(
     for (b, a) in &fitted {
         out.push(keys_only(format!("K{b} pc64 by channel"), a.clone()));
     }
+    // The format's choices: rotary pairs at one width, one budget per
+    // layer, blocks of 128 tokens.
+    let with = |bits: f64, opts: FitOptions| -> Result<std::sync::Arc<ChannelBits>, BoxError> {
+        Ok(std::sync::Arc::new(ChannelBits::fit_with(
+            cfg, &caps, bits, opts,
+        )?))
+    };
+    let pairs = FitOptions {
+        pairs: true,
+        ..FitOptions::default()
+    };
+    let layer = FitOptions {
+        per_layer: true,
+        ..FitOptions::default()
+    };
+    let wide = FitOptions {
+        block: 128,
+        ..FitOptions::default()
+    };
+    out.push(keys_only("K3 pc64 by pair".into(), with(3.0, pairs)?));
+    out.push(keys_only(
+        "K3 pc64 by channel, per layer".into(),
+        with(3.0, layer)?,
+    ));
+    out.push(keys_only(
+        "K2.75 pc128 by channel".into(),
+        with(2.75, wide)?,
+    ));
+    out.push(keys_only(
+        "K3.25 pc128 by channel".into(),
+        with(3.25, wide)?,
+    ));
     for b in [2, 3, 4] {
         out.push(keys_only(format!("K{b} pc64 every channel"), one(b)));
     }
