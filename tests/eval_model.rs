@@ -135,6 +135,7 @@ impl RoundTrip for Coarse {
     fn round_trip(
         &self,
         _: usize,
+        _: usize,
         x: &mut [f32],
         n: usize,
         nkv: usize,
@@ -153,6 +154,7 @@ struct Identity(std::cell::Cell<usize>);
 impl RoundTrip for Identity {
     fn round_trip(
         &self,
+        _: usize,
         _: usize,
         _: &mut [f32],
         _: usize,
@@ -1842,7 +1844,7 @@ fn channel_widths_spend_the_budget_and_lower_the_score_error() {
         let mut e = 0.0;
         for (l, lc) in cap.layers.iter().enumerate() {
             let mut k = lc.k_pre_rope.clone();
-            a.round_trip(l, &mut k, toks.len(), n_kv, hd).unwrap();
+            a.round_trip(l, 0, &mut k, toks.len(), n_kv, hd).unwrap();
             m.apply_rope(&mut k, n_kv * hd, 0, l);
             for qr in lc.q.chunks_exact(n_q * hd) {
                 for (kr, kx) in k.chunks_exact(n_kv * hd).zip(lc.k.chunks_exact(n_kv * hd)) {
@@ -1872,6 +1874,7 @@ fn channel_widths_spend_the_budget_and_lower_the_score_error() {
         block: 16,
         pairs,
         per_layer,
+        sinks: 0,
     };
     let paired = ChannelBits::fit_with(c, caps, 3.0, opts(true, false)).unwrap();
     let layered = ChannelBits::fit_with(c, caps, 3.0, opts(false, true)).unwrap();

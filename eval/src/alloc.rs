@@ -37,15 +37,20 @@ pub struct FitOptions {
     /// One budget for the whole layer, spent across its heads, instead of
     /// one per head.
     pub per_layer: bool,
+    /// Positions kept exact ([`ChannelBits::with_sinks`]): the fit leaves
+    /// their rows out and the widths keep them.
+    pub sinks: usize,
 }
 
 impl Default for FitOptions {
-    /// Blocks of 64 tokens, channels on their own, one budget per head.
+    /// Blocks of 64 tokens, channels on their own, one budget per head, no
+    /// sinks.
     fn default() -> Self {
         FitOptions {
             block: 64,
             pairs: false,
             per_layer: false,
+            sinks: 0,
         }
     }
 }
@@ -58,6 +63,8 @@ pub struct ChannelBits {
     head_dim: usize,
     /// `bits[layer][head·head_dim + c]`.
     bits: Vec<Vec<u8>>,
+    /// Positions kept exact (attention sinks).
+    sinks: usize,
 }
 
 /// `x` (`[tokens, width]`, `width` a multiple of 8) with every channel
@@ -186,6 +193,7 @@ impl ChannelBits {
             let mut d = vec![[0f64; MAX_BITS as usize + 1]; width];
             for cap in caps {
                 let k = &cap.layers[l].k_pre_rope;
+                let k = &k[(opts.sinks * width).min(k.len())..];
                 for b in 0..=MAX_BITS {
                     let r = at_width(k, width, b, block)?;
                     for (i, (&y, &x)) in r.iter().zip(k).enumerate() {
@@ -225,6 +233,7 @@ impl ChannelBits {
             n_kv_heads: n_kv,
             head_dim: hd,
             bits,
+            sinks: opts.sinks,
         })
     }
 
@@ -242,7 +251,18 @@ impl ChannelBits {
             n_kv_heads,
             head_dim,
             bits: vec![vec![bits.min(MAX_BITS); n_kv_heads * head_dim]; n_layers],
+            sinks: 0,
         }
+    }
+
+    /// These widths with the rows at positions below `sinks` left exact,
+    /// as a cache keeps its sinks; the per-channel blocks start after them.
+    /// A round trip of rows that start at a later position (`pos0`) keeps
+    /// only the sinks' rows among them, and its blocks start at its first
+    /// quantized row, not where a cache's would.
+    pub fn with_sinks(mut self, sinks: usize) -> Self {
+        self.sinks = sinks;
+        self
     }
 
     /// The widths of layer `l`, `[head·head_dim + c]`.
@@ -308,6 +328,7 @@ impl RoundTrip for ChannelBits {
     fn round_trip(
         &self,
         layer: usize,
+        pos0: usize,
         x: &mut [f32],
         n_tokens: usize,
         n_kv_heads: usize,
@@ -330,6 +351,9 @@ impl RoundTrip for ChannelBits {
         }
         let widths = &self.bits[layer];
         let mut done = [false; MAX_BITS as usize + 1];
+        // Rows at positions below `sinks` stay exact; blocks start after.
+        let skip = self.sinks.saturating_sub(pos0).min(n_tokens) * width;
+        let x = &mut x[skip..];
         let src = x.to_vec();
         for &b in widths {
             if std::mem::replace(&mut done[b as usize], true) {
@@ -405,7 +429,7 @@ mod tests {
         for b in [2u8, 3, 4, 8] {
             let mut y = x.clone();
             ChannelBits::uniform(1, n_kv, hd, b, 32)
-                .round_trip(0, &mut y, t, n_kv, hd)
+                .round_trip(0, 0, &mut y, t, n_kv, hd)
                 .unwrap();
             let s = QuantScheme::new(b, Axis::PerChannel, Group::Size(32)).unwrap();
             assert_eq!(
@@ -426,9 +450,10 @@ mod tests {
             n_kv_heads: n_kv,
             head_dim: hd,
             bits: vec![widths.clone()],
+            sinks: 0,
         };
         let mut y = x.clone();
-        a.round_trip(0, &mut y, t, n_kv, hd).unwrap();
+        a.round_trip(0, 0, &mut y, t, n_kv, hd).unwrap();
         for b in [0u8, 2, 3, 4, 8] {
             let r = at_width(&x, n_kv * hd, b, 32).unwrap();
             for (i, (&got, &want)) in y.iter().zip(&r).enumerate() {
@@ -447,10 +472,31 @@ mod tests {
         assert!((a.effective_bits(0) - eb).abs() < 1e-12);
         // Another shape or layer is refused, and the rows are untouched.
         let mut z = x.clone();
-        assert!(a.round_trip(1, &mut z, t, n_kv, hd).is_err());
-        assert!(a.round_trip(0, &mut z, t, 1, 2 * hd).is_err());
-        assert!(a.round_trip(0, &mut z[..8], t, n_kv, hd).is_err());
+        assert!(a.round_trip(1, 0, &mut z, t, n_kv, hd).is_err());
+        assert!(a.round_trip(0, 0, &mut z, t, 1, 2 * hd).is_err());
+        assert!(a.round_trip(0, 0, &mut z[..8], t, n_kv, hd).is_err());
         assert_eq!(z, x);
+    }
+
+    #[test]
+    fn sinks_stay_exact_and_blocks_start_after_them() {
+        let (t, n_kv, hd) = (40, 1, 8);
+        let x = noise(t * n_kv * hd, 3);
+        let a = ChannelBits::uniform(1, n_kv, hd, 3, 16).with_sinks(4);
+        let mut y = x.clone();
+        a.round_trip(0, 0, &mut y, t, n_kv, hd).unwrap();
+        assert_eq!(y[..4 * hd], x[..4 * hd]);
+        let rest = at_width(&x[4 * hd..], hd, 3, 16).unwrap();
+        assert_eq!(y[4 * hd..], rest[..]);
+        // Rows from position 2: two sink rows among them.
+        let mut y = x.clone();
+        a.round_trip(0, 2, &mut y, t, n_kv, hd).unwrap();
+        assert_eq!(y[..2 * hd], x[..2 * hd]);
+        assert_eq!(y[2 * hd..], at_width(&x[2 * hd..], hd, 3, 16).unwrap()[..]);
+        // Rows past the sinks: all quantized.
+        let mut y = x.clone();
+        a.round_trip(0, 4, &mut y, t, n_kv, hd).unwrap();
+        assert_eq!(y, at_width(&x, hd, 3, 16).unwrap());
     }
 
     #[test]

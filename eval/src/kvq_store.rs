@@ -14,6 +14,7 @@ impl RoundTrip for CodecRoundTrip {
     fn round_trip(
         &self,
         _layer: usize,
+        _pos0: usize,
         x: &mut [f32],
         _n_tokens: usize,
         n_kv_heads: usize,

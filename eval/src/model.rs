@@ -346,10 +346,12 @@ impl std::str::FromStr for QuantPoint {
 /// A quantize-dequantize round trip applied in place.
 pub trait RoundTrip {
     /// Replace `x` (`[n_tokens, n_kv_heads*head_dim]` row-major, of layer
-    /// `layer`) by its reconstruction after quantization.
+    /// `layer`, its first row at position `pos0`) by its reconstruction
+    /// after quantization.
     fn round_trip(
         &self,
         layer: usize,
+        pos0: usize,
         x: &mut [f32],
         n_tokens: usize,
         n_kv_heads: usize,
@@ -955,13 +957,13 @@ impl Model {
             );
             let round_trip_k = |point: QuantPoint, ks: &mut [f32]| -> Result<()> {
                 match hooks.k {
-                    Some((p, rt)) if p == point => Ok(rt.round_trip(l, ks, n, nkv, hd)?),
+                    Some((p, rt)) if p == point => Ok(rt.round_trip(l, pos0, ks, n, nkv, hd)?),
                     _ => Ok(()),
                 }
             };
             round_trip_k(QuantPoint::AfterKProj, ks)?;
             if let Some(rt) = hooks.v {
-                rt.round_trip(l, vs, n, nkv, hd)?;
+                rt.round_trip(l, pos0, vs, n, nkv, hd)?;
             }
             if let Some(qn) = &w.q_norm {
                 rms_norm_chunks(qs, qn, cfg.rms_eps);

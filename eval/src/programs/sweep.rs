@@ -1191,12 +1191,11 @@ pub fn attention_kl_pre_rope(cap: &Capture, c: &Config, model: &Model) -> Result
             Some(a) => {
                 let mut k = l.k_pre_rope.clone();
                 let t = k.len() / (n_kv * hd);
-                a.round_trip(li, &mut k, t, n_kv, hd).map_err(|what| {
-                    kvq::Error::InvalidConfig {
+                a.round_trip(li, cap.pos0, &mut k, t, n_kv, hd)
+                    .map_err(|what| kvq::Error::InvalidConfig {
                         op: "channel bits",
                         what,
-                    }
-                })?;
+                    })?;
                 k
             }
             None => hat(&l.k_pre_rope, k, n_kv, hd)?,
@@ -1669,7 +1668,7 @@ pub fn plan_configs(
 /// against one width for every channel through the same round trip, keys
 /// before RoPE in blocks of 64 tokens: keys alone (values exact) at 2, 2.5,
 /// 3 and 4 code bits, with rotary pairs at one width, one budget per layer
-/// and blocks of 128, then beside rotated Lloyd-Max values near 3 and 3.25
+/// and blocks of 128, then beside rotated Lloyd-Max values at 3 and 3.25
 /// effective bits.
 pub fn alloc_grid(
     model: &Model,
@@ -1690,19 +1689,22 @@ pub fn alloc_grid(
         ..CacheSpec::FULL
     };
     const BLOCK: usize = 64;
-    let fit = |bits: f64| -> Result<std::sync::Arc<ChannelBits>, BoxError> {
-        Ok(std::sync::Arc::new(ChannelBits::fit(
-            cfg, &caps, bits, BLOCK,
+    let base = FitOptions {
+        block: BLOCK,
+        sinks: args.sinks,
+        ..FitOptions::default()
+    };
+    let with = |bits: f64, opts: FitOptions| -> Result<std::sync::Arc<ChannelBits>, BoxError> {
+        Ok(std::sync::Arc::new(ChannelBits::fit_with(
+            cfg, &caps, bits, opts,
         )?))
     };
+    let fit = |bits: f64| with(bits, base);
     let one = |bits: u8| {
-        std::sync::Arc::new(ChannelBits::uniform(
-            cfg.n_layers,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            bits,
-            BLOCK,
-        ))
+        std::sync::Arc::new(
+            ChannelBits::uniform(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, bits, BLOCK)
+                .with_sinks(args.sinks),
+        )
     };
     let keys_only = |name: String, a: std::sync::Arc<ChannelBits>| Config {
         key_bits: Some(a),
@@ -1728,23 +1730,15 @@ pub fn alloc_grid(
     }
     // The format's choices: rotary pairs at one width, one budget per
     // layer, blocks of 128 tokens.
-    let with = |bits: f64, opts: FitOptions| -> Result<std::sync::Arc<ChannelBits>, BoxError> {
-        Ok(std::sync::Arc::new(ChannelBits::fit_with(
-            cfg, &caps, bits, opts,
-        )?))
-    };
     let pairs = FitOptions {
         pairs: true,
-        ..FitOptions::default()
+        ..base
     };
     let layer = FitOptions {
         per_layer: true,
-        ..FitOptions::default()
+        ..base
     };
-    let wide = FitOptions {
-        block: 128,
-        ..FitOptions::default()
-    };
+    let wide = FitOptions { block: 128, ..base };
     out.push(keys_only("K3 pc64 by pair".into(), with(3.0, pairs)?));
     out.push(keys_only(
         "K3 pc64 by channel, per layer".into(),
@@ -1777,6 +1771,22 @@ pub fn alloc_grid(
     out.push(with_values(
         "K3 pc64 every channel / H·V gauss2 pt32".into(),
         one(3),
+        gauss(2, 32),
+    ));
+    // 3.0 effective bits from the format's choices: pairs in blocks of 128.
+    let paired128 = FitOptions {
+        block: 128,
+        pairs: true,
+        ..base
+    };
+    out.push(with_values(
+        "K2.5 pc128 by pair / H·V gauss3 pt64".into(),
+        with(2.5, paired128)?,
+        gauss(3, 64),
+    ));
+    out.push(with_values(
+        "K3.25 pc128 by pair / H·V gauss2 pt32".into(),
+        with(3.25, paired128)?,
         gauss(2, 32),
     ));
     eprintln!("channel widths fitted in {:.1}s", t.elapsed().as_secs_f64());
