@@ -129,7 +129,7 @@ pub struct Args {
         default_value = "3,3.5,4,4.5"
     )]
     pub budgets: Vec<f64>,
-    /// --grid plan and fit: the corpora of the held-out calibration windows (from
+    /// --grid plan, fit and alloc: the corpora of the held-out calibration windows (from
     /// each, the window right after the tokens the sweep scores).
     #[arg(
         long,
@@ -323,10 +323,14 @@ impl Config {
         }
     }
 
-    /// The cache the store holds and the key round trip the model applies.
-    pub fn store_and_hook(&self) -> (CacheSpec, Option<(QuantPoint, CodecRoundTrip)>) {
-        if self.key_bits.is_some() {
-            return (self.spec, None);
+    /// The cache the store holds and the key round trip the model applies
+    /// (keys quantized outside the cache, at the point the hook names).
+    pub fn store_and_hook(&self) -> (CacheSpec, Option<(QuantPoint, KeyHook)>) {
+        if let Some(bits) = &self.key_bits {
+            return (
+                self.spec,
+                Some((QuantPoint::AfterKNorm, KeyHook::Widths(bits.clone()))),
+            );
         }
         match (self.key_point, self.spec.key_codec()) {
             (QuantPoint::AfterRope, _) | (_, None) => (self.spec, None),
@@ -335,9 +339,37 @@ impl Config {
                     keys: None,
                     ..self.spec
                 },
-                Some((point, CodecRoundTrip(codec))),
+                Some((point, KeyHook::Codec(CodecRoundTrip(codec)))),
             ),
         }
+    }
+}
+
+/// The round trip a configuration applies to keys inside the model
+/// ([`Config::store_and_hook`]): a codec's, or per-channel widths'.
+#[derive(Debug, Clone)]
+pub enum KeyHook {
+    /// A key codec applied before the cache.
+    Codec(CodecRoundTrip),
+    /// Key channels at their own widths ([`crate::alloc`]).
+    Widths(std::sync::Arc<ChannelBits>),
+}
+
+impl RoundTrip for KeyHook {
+    fn round_trip(
+        &self,
+        layer: usize,
+        pos0: usize,
+        x: &mut [f32],
+        n_tokens: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<(), String> {
+        let rt: &dyn RoundTrip = match self {
+            KeyHook::Codec(c) => c,
+            KeyHook::Widths(w) => w.as_ref(),
+        };
+        rt.round_trip(layer, pos0, x, n_tokens, n_kv_heads, head_dim)
     }
 }
 
@@ -976,15 +1008,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
             let (store_spec, hook) = c.store_and_hook();
             let mut store = c.store(&model.cfg, store_spec)?;
             let mut hooks = Hooks {
-                k: match &c.key_bits {
-                    Some(a) => Some((
-                        QuantPoint::AfterKNorm,
-                        a.as_ref() as &dyn crate::model::RoundTrip,
-                    )),
-                    None => hook
-                        .as_ref()
-                        .map(|(p, rt)| (*p, rt as &dyn crate::model::RoundTrip)),
-                },
+                k: hook.as_ref().map(|(p, rt)| (*p, rt as &dyn RoundTrip)),
                 ..Hooks::default()
             };
             let t = Instant::now();
@@ -1023,7 +1047,6 @@ pub fn run(args: Args) -> Result<(), BoxError> {
                 // pre-RoPE keys; after `k_proj` of a model with `k_norm`
                 // the capture has no keys to compare.
                 attention_kl: match hook.as_ref().map(|h| h.0) {
-                    None if c.key_bits.is_some() => attention_kl_pre_rope(&cap, c, &model)?,
                     None if c.spec.pre_rope => attention_kl_pre_rope(&cap, c, &model)?,
                     None => attention_kl(&cap, c)?,
                     Some(QuantPoint::AfterKNorm) => attention_kl_pre_rope(&cap, c, &model)?,
@@ -1186,19 +1209,20 @@ pub fn attention_kl_pre_rope(cap: &Capture, c: &Config, model: &Model) -> Result
         return Err("the capture has no pre-RoPE keys".into());
     }
     let (n_kv, hd) = (cap.n_kv_heads, cap.head_dim);
+    let hook = c.store_and_hook().1;
     attention_kl_with(cap, c, |li, l, k| {
-        let mut k = match &c.key_bits {
-            Some(a) => {
+        let mut k = match &hook {
+            Some((QuantPoint::AfterKNorm, rt)) => {
                 let mut k = l.k_pre_rope.clone();
                 let t = k.len() / (n_kv * hd);
-                a.round_trip(li, cap.pos0, &mut k, t, n_kv, hd)
+                rt.round_trip(li, cap.pos0, &mut k, t, n_kv, hd)
                     .map_err(|what| kvq::Error::InvalidConfig {
-                        op: "channel bits",
+                        op: "key round trip",
                         what,
                     })?;
                 k
             }
-            None => hat(&l.k_pre_rope, k, n_kv, hd)?,
+            _ => hat(&l.k_pre_rope, k, n_kv, hd)?,
         };
         model.apply_rope(&mut k, n_kv * hd, cap.pos0, li);
         Ok(k)
