@@ -1895,3 +1895,86 @@ fn channel_widths_spend_the_budget_and_lower_the_score_error() {
     assert!(ChannelBits::fit(c, std::slice::from_ref(&cap), 9.0, 16).is_err());
     assert!(ChannelBits::fit(c, &[], 3.0, 16).is_err());
 }
+
+/// The value trellis study ([`kvq_eval::trellis`]): on a random model's
+/// values the trellis code's attention outputs are closer to full
+/// precision than rotated Lloyd-Max values of the same bits and groups,
+/// and a configuration with it runs, counts its bits and is no baseline.
+#[test]
+fn trellis_values_beat_lloyd_max_at_the_point_of_use() {
+    use kvq::metrics::{layer_errors, AttnShape, MetricsConfig};
+    use kvq::{Axis, Codec, Group, Levels, Mode, QuantScheme, Rotation};
+    use kvq_eval::kvq_store::CacheSpec;
+    use kvq_eval::model::RoundTrip;
+    use kvq_eval::programs::sweep::Config as SweepConfig;
+    use kvq_eval::trellis::TrellisCode;
+    let cfg = Config {
+        head_dim: 64,
+        rope_dim: 64,
+        d_model: 64,
+        ..tiny_config(RopeStyle::Halves)
+    };
+    let m = Model::random(cfg, 12, false);
+    let c = &m.cfg;
+    let toks = tokens(96, c.vocab_size, 6);
+    let cap = kvq_eval::ppl::capture_window(&m, &toks).unwrap();
+    let (n_kv, hd) = (c.n_kv_heads, c.head_dim);
+    let shape = AttnShape::new(c.n_heads, n_kv, hd).unwrap();
+    let mcfg = MetricsConfig::new().with_causal(0);
+    for k in [2u32, 3] {
+        let code = TrellisCode::gaussian(8, k, 64).unwrap();
+        let s = QuantScheme::new(k as u8, Axis::PerToken, Group::Size(64))
+            .unwrap()
+            .with_mode(Mode::Symmetric)
+            .unwrap();
+        let lloyd = Codec::codebook(s, Levels::Gauss).with_rotation(Rotation::Hadamard);
+        let (mut et, mut el) = (0.0, 0.0);
+        for (l, lc) in cap.layers.iter().enumerate() {
+            let mut vt = lc.v.clone();
+            code.round_trip(l, 0, &mut vt, toks.len(), n_kv, hd)
+                .unwrap();
+            let vl = lloyd.roundtrip(&lc.v, n_kv, hd).unwrap();
+            let out = |vh: &[f32]| {
+                layer_errors(shape, lc.q.as_slice(), &lc.k, &lc.v, &lc.k, vh, &mcfg)
+                    .unwrap()
+                    .summary
+                    .mean
+                    .output_rel
+            };
+            et += out(&vt);
+            el += out(&vl);
+        }
+        assert!(
+            et < 0.9 * el,
+            "{k} bits: trellis {et} against Lloyd-Max {el}"
+        );
+        assert!(et > 0.0);
+    }
+    let conf = SweepConfig {
+        value_code: Some(std::sync::Arc::new(
+            TrellisCode::gaussian(8, 2, 64).unwrap(),
+        )),
+        ..SweepConfig::new("V trellis2", CacheSpec::FULL)
+    };
+    assert!(!conf.is_baseline());
+    assert_eq!(
+        conf.effective_bits(c.n_layers, n_kv, hd),
+        (16.0 + 2.25) / 2.0
+    );
+    let opts = PplOptions {
+        n_tokens: 64,
+        window: 32,
+        path: EvalPath::Prefill,
+        bos: None,
+    };
+    let code = conf.value_code.clone().unwrap();
+    let mut hooks = Hooks {
+        v: Some(code.as_ref()),
+        ..Hooks::default()
+    };
+    let (spec, hook) = conf.store_and_hook();
+    assert!(hook.is_none());
+    let mut store = kvq_eval::kvq_store::KvqStore::for_model(c, spec).unwrap();
+    let r = perplexity(&m, &toks, &mut store, &mut hooks, &opts, |_, _| {}).unwrap();
+    assert!(r.all.ppl().is_finite());
+}

@@ -29,6 +29,7 @@ pub mod ppl;
 pub mod programs;
 pub mod report;
 pub mod tokenizer;
+pub mod trellis;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example sweep -- [--model smollm2|gemma|PATH]
-//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit|outliers|alloc]
+//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit|outliers|alloc|trellis]
 //!     [--full] [--budgets B,B] [--calib austen|code|PATH]
 //!     [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
@@ -24,8 +24,10 @@
 //! `plan` (what `kvq::Planner` chooses from a held-out window at each
 //! of `--budgets`: its per-layer allocation and its best single pair),
 //! `fit` (codebooks fitted per layer to a held-out window, against the
-//! Lloyd-Max tables they start from), and `alloc` (a study: key channels at
-//! widths fitted by query energy, against one width, [`crate::alloc`]).
+//! Lloyd-Max tables they start from), `alloc` (a study: key channels at
+//! widths fitted by query energy, against one width, [`crate::alloc`]) and
+//! `trellis` (a study: values in a trellis code against rotated Lloyd-Max
+//! levels of the same bits, [`crate::trellis`]).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
 //! (pip + apt, checked by sha256). For every domain and configuration it
@@ -60,6 +62,7 @@ use crate::ppl::{
     capture_window, perplexity_kl, with_bos, EvalPath, Kl, KlReport, PplOptions, Reference,
 };
 use crate::report::{self, Align, PlotPoint, Table};
+use crate::trellis::TrellisCode;
 use crate::BoxError;
 
 /// Perplexity of SmolLM2-135M with kvq caches of many K/V schemes, on prose
@@ -215,6 +218,10 @@ pub enum GridKind {
     /// RoPE at the same per-channel grid, one width for every channel or
     /// widths by query energy, alone and beside rotated Lloyd-Max values.
     Alloc,
+    /// A study of values in a bitshift trellis code ([`crate::trellis`])
+    /// against rotated Lloyd-Max levels at the same bits, alone and beside
+    /// key channel widths at 3.0 effective bits ([`trellis_grid`]).
+    Trellis,
 }
 
 impl std::str::FromStr for GridKind {
@@ -234,9 +241,10 @@ impl std::str::FromStr for GridKind {
             "fit" => Ok(GridKind::Fit),
             "outliers" => Ok(GridKind::Outliers),
             "alloc" => Ok(GridKind::Alloc),
+            "trellis" => Ok(GridKind::Trellis),
             _ => Err(format!(
                 "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope, \
-                 budget, rotation, plan, fit, outliers, alloc)"
+                 budget, rotation, plan, fit, outliers, alloc, trellis)"
             )),
         }
     }
@@ -261,6 +269,10 @@ pub struct Config {
     /// ([`crate::alloc`]) in place of any key codec: the cache keeps them
     /// exact.
     pub key_bits: Option<std::sync::Arc<ChannelBits>>,
+    /// Values round-tripped at `v_proj` through a trellis code
+    /// ([`crate::trellis`]) in place of any value codec: the cache keeps
+    /// them exact.
+    pub value_code: Option<std::sync::Arc<TrellisCode>>,
 }
 
 impl Config {
@@ -273,6 +285,7 @@ impl Config {
             key_point: QuantPoint::AfterRope,
             layers: None,
             key_bits: None,
+            value_code: None,
         }
     }
 
@@ -280,6 +293,7 @@ impl Config {
     pub fn is_baseline(&self) -> bool {
         self.layers.is_none()
             && self.key_bits.is_none()
+            && self.value_code.is_none()
             && self.spec.keys.is_none()
             && self.spec.values.is_none()
     }
@@ -309,7 +323,11 @@ impl Config {
                     .key_bits
                     .as_ref()
                     .map_or(eb(k), |a| a.effective_bits(l));
-                (kb + eb(v)) / 2.0
+                let vb = self
+                    .value_code
+                    .as_ref()
+                    .map_or(eb(v), |t| t.effective_bits());
+                (kb + vb) / 2.0
             })
             .sum();
         sum / n_layers as f64
@@ -424,7 +442,7 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
     match kind {
         GridKind::Default => {}
         // Planned or fitted in `run`, which has the model to calibrate on.
-        GridKind::Plan | GridKind::Fit | GridKind::Alloc => return g,
+        GridKind::Plan | GridKind::Fit | GridKind::Alloc | GridKind::Trellis => return g,
         GridKind::Rotation => {
             let (g32, g64) = (Group::Size(32), Group::Size(64));
             let mut plain = Vec::new();
@@ -970,6 +988,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         GridKind::Plan => configs.extend(plan_grid(&model, &tok, &args, &opts)?),
         GridKind::Fit => configs.extend(fit_grid(&model, &tok, &args, &opts)?),
         GridKind::Alloc => configs.extend(alloc_grid(&model, &tok, &args, &opts)?),
+        GridKind::Trellis => configs.extend(trellis_grid(&model, &tok, &args, &opts)?),
         _ => {}
     }
     if let Some(only) = &args.only {
@@ -1009,6 +1028,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
             let mut store = c.store(&model.cfg, store_spec)?;
             let mut hooks = Hooks {
                 k: hook.as_ref().map(|(p, rt)| (*p, rt as &dyn RoundTrip)),
+                v: c.value_code.as_deref().map(|t| t as &dyn RoundTrip),
                 ..Hooks::default()
             };
             let t = Instant::now();
@@ -1251,7 +1271,20 @@ fn attention_kl_with(
     let mut total = 0.0;
     for (li, l) in cap.layers.iter().enumerate() {
         let (kc, vc) = c.codecs(li);
-        let (kh, vh) = (keys(li, l, kc)?, hat(&l.v, vc, n_kv, hd)?);
+        let vh = match &c.value_code {
+            Some(t) => {
+                let mut v = l.v.clone();
+                let n = v.len() / (n_kv * hd);
+                t.round_trip(li, cap.pos0, &mut v, n, n_kv, hd)
+                    .map_err(|what| kvq::Error::InvalidConfig {
+                        op: "value round trip",
+                        what,
+                    })?;
+                v
+            }
+            None => hat(&l.v, vc, n_kv, hd)?,
+        };
+        let kh = keys(li, l, kc)?;
         total += layer_errors(shape, l.q.as_slice(), &l.k, &l.v, &kh, &vh, &cfg)?
             .summary
             .mean
@@ -1331,6 +1364,17 @@ fn held_windows(
         held.push(w.to_vec());
     }
     Ok(held)
+}
+
+/// The full-precision captures of the held-out windows `held`.
+fn held_captures(
+    model: &Model,
+    held: &[Vec<u32>],
+    bos: Option<u32>,
+) -> Result<Vec<Capture>, BoxError> {
+    held.iter()
+        .map(|w| capture_window(model, &with_bos(w, bos)))
+        .collect()
 }
 
 /// [`GridKind::Fit`]: captures the held-out windows of `args.calib` (as
@@ -1496,10 +1540,7 @@ pub fn plan_captures(
     if held.iter().any(|w| w.len() != len) {
         return Err("calibration windows of different lengths".into());
     }
-    let caps = held
-        .iter()
-        .map(|w| capture_window(model, &with_bos(w, bos)))
-        .collect::<Result<Vec<_>, _>>()?;
+    let caps = held_captures(model, held, bos)?;
     if caps.iter().any(|c| !c.has_k_pre_rope()) {
         return Err("the calibration capture has no pre-RoPE keys".into());
     }
@@ -1701,11 +1742,7 @@ pub fn alloc_grid(
     opts: &PplOptions,
 ) -> Result<Vec<Config>, BoxError> {
     let t = Instant::now();
-    let held = held_windows(tok, args, opts)?;
-    let caps = held
-        .iter()
-        .map(|w| capture_window(model, &with_bos(w, opts.bos)))
-        .collect::<Result<Vec<_>, _>>()?;
+    let caps = held_captures(model, &held_windows(tok, args, opts)?, opts.bos)?;
     let cfg = &model.cfg;
     let spec = CacheSpec {
         residual: args.residual,
@@ -1814,5 +1851,100 @@ pub fn alloc_grid(
         gauss(2, 32),
     ));
     eprintln!("channel widths fitted in {:.1}s", t.elapsed().as_secs_f64());
+    Ok(out)
+}
+
+/// [`GridKind::Trellis`]: values in a bitshift trellis code
+/// ([`TrellisCode`], one `f16` scale per group) against rotated Lloyd-Max
+/// values of the same bits and groups in the cache, keys exact; then at
+/// 3.0 effective bits beside key channel widths (rotary pairs, blocks of
+/// 128 tokens, fitted on the held-out windows as [`alloc_grid`] does). The
+/// sinks stay exact in both round trips.
+pub fn trellis_grid(
+    model: &Model,
+    tok: &crate::tokenizer::Tokenizer,
+    args: &Args,
+    opts: &PplOptions,
+) -> Result<Vec<Config>, BoxError> {
+    use std::sync::Arc;
+    let t = Instant::now();
+    let caps = held_captures(model, &held_windows(tok, args, opts)?, opts.bos)?;
+    let cfg = &model.cfg;
+    let spec = CacheSpec {
+        residual: args.residual,
+        sinks: args.sinks,
+        ..CacheSpec::FULL
+    };
+    let hd = cfg.head_dim;
+    let trellis = |l: u32, k: u32, group: usize| -> Result<Arc<TrellisCode>, BoxError> {
+        Ok(Arc::new(
+            TrellisCode::gaussian(l, k, group.min(hd))?.with_sinks(args.sinks),
+        ))
+    };
+    let widths = |bits: f64| -> Result<Arc<ChannelBits>, BoxError> {
+        let o = FitOptions {
+            block: 128,
+            pairs: true,
+            sinks: args.sinks,
+            ..FitOptions::default()
+        };
+        Ok(Arc::new(ChannelBits::fit_with(cfg, &caps, bits, o)?))
+    };
+    let cached = |name: String, k: Option<Arc<ChannelBits>>, v: Codec| Config {
+        key_bits: k,
+        layers: Some(vec![(None, Some(v)); cfg.n_layers]),
+        ..Config::new(name, spec)
+    };
+    let coded = |name: String, k: Option<Arc<ChannelBits>>, v: Arc<TrellisCode>| Config {
+        key_bits: k,
+        value_code: Some(v),
+        ..Config::new(name, spec)
+    };
+    let mut out = Vec::new();
+    // Values alone: the same bits and groups, Lloyd-Max or trellis.
+    for (k, group) in [(2u32, 64usize), (3, 64), (2, 32)] {
+        let g = group.min(hd);
+        out.push(cached(
+            format!("V H·gauss{k} pt{g}"),
+            None,
+            gauss(k as u8, g),
+        ));
+        out.push(coded(
+            format!("V trellis{k} L8 g{g}"),
+            None,
+            trellis(8, k, g)?,
+        ));
+    }
+    out.push(coded(
+        format!("V trellis2 L10 g{}", 64.min(hd)),
+        None,
+        trellis(10, 2, 64)?,
+    ));
+    // 3.0 effective bits with key widths: codes plus one f16 scale and zero
+    // per channel and 128 tokens on the keys.
+    let g = 64.min(hd);
+    let k25 = widths(2.5)?;
+    let k35 = widths(3.5)?;
+    out.push(cached(
+        format!("K2.5 pc128 by pair / H·V gauss3 pt{g}"),
+        Some(k25.clone()),
+        gauss(3, g),
+    ));
+    out.push(coded(
+        format!("K2.5 pc128 by pair / V trellis3 L8 g{g}"),
+        Some(k25),
+        trellis(8, 3, g)?,
+    ));
+    out.push(cached(
+        format!("K3.5 pc128 by pair / H·V gauss2 pt{g}"),
+        Some(k35.clone()),
+        gauss(2, g),
+    ));
+    out.push(coded(
+        format!("K3.5 pc128 by pair / V trellis2 L8 g{g}"),
+        Some(k35),
+        trellis(8, 2, g)?,
+    ));
+    eprintln!("trellis grid built in {:.1}s", t.elapsed().as_secs_f64());
     Ok(out)
 }
