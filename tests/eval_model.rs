@@ -1875,6 +1875,7 @@ fn channel_widths_spend_the_budget_and_lower_the_score_error() {
         pairs,
         per_layer,
         sinks: 0,
+        trellis: false,
     };
     let paired = ChannelBits::fit_with(c, caps, 3.0, opts(true, false)).unwrap();
     let layered = ChannelBits::fit_with(c, caps, 3.0, opts(false, true)).unwrap();
@@ -1891,6 +1892,24 @@ fn channel_widths_spend_the_budget_and_lower_the_score_error() {
     }
     assert!(score_error(&paired) < 0.5 * eo);
     assert!(score_error(&layered) < 0.5 * eo);
+    // Widths fitted through the trellis code spend the same budget, at
+    // the same counted bits per width, and beat one width in the grid.
+    let coded = ChannelBits::fit_with(
+        c,
+        caps,
+        3.0,
+        FitOptions {
+            trellis: true,
+            ..opts(true, false)
+        },
+    )
+    .unwrap();
+    for l in 0..c.n_layers {
+        for h in coded.layer(l).chunks_exact(hd) {
+            assert_eq!(h.iter().map(|&b| usize::from(b)).sum::<usize>(), 3 * hd);
+        }
+    }
+    assert!(score_error(&coded) < 0.5 * eo);
     // A budget past 8 bits or an empty calibration set is refused.
     assert!(ChannelBits::fit(c, std::slice::from_ref(&cap), 9.0, 16).is_err());
     assert!(ChannelBits::fit(c, &[], 3.0, 16).is_err());

@@ -15,11 +15,16 @@
 //!
 //! Each channel is stored as `kvq`'s per-channel asymmetric grid of its
 //! width (blocks of `block` tokens, an `f16` scale and zero per block); a
-//! 0-bit channel keeps its block mean as one `f16`.
+//! 0-bit channel keeps its block mean as one `f16`. With
+//! [`ChannelBits::with_trellis`] (or [`FitOptions::trellis`]) a 1–3-bit
+//! channel's block is instead a chain of a trellis code
+//! ([`crate::trellis`]) around the block's `f16` mean, with one `f16`
+//! scale: the same two params, the same bits.
 //! [`ChannelBits::effective_bits`] counts codes and params exactly.
 
 use crate::capture::Capture;
 use crate::model::{Config, RopeStyle, RoundTrip};
+use crate::trellis::TrellisCode;
 use kvq::{Axis, Codec, Group, QuantScheme};
 
 /// Widest channel the greedy hands out.
@@ -40,6 +45,9 @@ pub struct FitOptions {
     /// Positions kept exact ([`ChannelBits::with_sinks`]): the fit leaves
     /// their rows out and the widths keep them.
     pub sinks: usize,
+    /// Channels of 1–3 bits in a trellis code along their block's tokens
+    /// ([`ChannelBits::with_trellis`]) instead of the uniform grid.
+    pub trellis: bool,
 }
 
 impl Default for FitOptions {
@@ -51,6 +59,7 @@ impl Default for FitOptions {
             pairs: false,
             per_layer: false,
             sinks: 0,
+            trellis: false,
         }
     }
 }
@@ -65,6 +74,47 @@ pub struct ChannelBits {
     bits: Vec<Vec<u8>>,
     /// Positions kept exact (attention sinks).
     sinks: usize,
+    /// Trellis codes of 1–3 bits (index `bits − 1`) for the channels of
+    /// those widths; empty: the uniform grid at every width.
+    trellis: Vec<TrellisCode>,
+}
+
+/// Widest channel a trellis code takes: at 4 bits a block's min/max grid
+/// already beats a 256-level trellis on blocks of 32 Gaussian tokens.
+const TRELLIS_MAX_BITS: u8 = 3;
+
+/// The trellis codes of 1–3 bits for per-channel blocks of `block` tokens
+/// (256-level tables, one scale per block).
+fn trellis_codes(block: usize) -> Result<Vec<TrellisCode>, String> {
+    (1..=u32::from(TRELLIS_MAX_BITS))
+        .map(|k| TrellisCode::gaussian(8, k, block))
+        .collect()
+}
+
+/// The channels of `x` (`[tokens, width]`) with `pick(c)` true, each
+/// block of `block` tokens coded by `code` around its `f16` mean (the
+/// mean and the code's scale: the two params of the grid's block).
+fn trellis_channels(
+    x: &mut [f32],
+    width: usize,
+    block: usize,
+    code: &TrellisCode,
+    pick: impl Fn(usize) -> bool,
+) {
+    let mut col = Vec::with_capacity(block);
+    for rows in x.chunks_mut(block * width) {
+        for c in (0..width).filter(|&c| pick(c)) {
+            col.clear();
+            col.extend(rows.iter().skip(c).step_by(width));
+            let mean = col.iter().map(|&v| f64::from(v)).sum::<f64>() / col.len() as f64;
+            let m = half::f16::from_f64(mean).to_f32();
+            col.iter_mut().for_each(|v| *v -= m);
+            code.code(&mut col);
+            for (y, v) in rows.iter_mut().skip(c).step_by(width).zip(&col) {
+                *y = v + m;
+            }
+        }
+    }
 }
 
 /// `x` (`[tokens, width]`, `width` a multiple of 8) with every channel
@@ -165,6 +215,11 @@ impl ChannelBits {
         let group = n_q / n_kv;
         let width = n_kv * hd;
         let rope_dim = cfg.rope_dim.min(hd);
+        let trellis = if opts.trellis {
+            trellis_codes(block)?
+        } else {
+            Vec::new()
+        };
         let mut bits = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             // Query energy per channel of each KV head, pairs pooled.
@@ -195,7 +250,14 @@ impl ChannelBits {
                 let k = &cap.layers[l].k_pre_rope;
                 let k = &k[(opts.sinks * width).min(k.len())..];
                 for b in 0..=MAX_BITS {
-                    let r = at_width(k, width, b, block)?;
+                    let r = match trellis.get(usize::from(b).wrapping_sub(1)) {
+                        Some(code) => {
+                            let mut r = k.to_vec();
+                            trellis_channels(&mut r, width, block, code, |_| true);
+                            r
+                        }
+                        None => at_width(k, width, b, block)?,
+                    };
                     for (i, (&y, &x)) in r.iter().zip(k).enumerate() {
                         d[i % width][b as usize] += f64::from(y - x).powi(2);
                     }
@@ -234,6 +296,7 @@ impl ChannelBits {
             head_dim: hd,
             bits,
             sinks: opts.sinks,
+            trellis,
         })
     }
 
@@ -252,7 +315,21 @@ impl ChannelBits {
             head_dim,
             bits: vec![vec![bits.min(MAX_BITS); n_kv_heads * head_dim]; n_layers],
             sinks: 0,
+            trellis: Vec::new(),
         }
+    }
+
+    /// These widths with the channels of 1–3 bits in a trellis code along
+    /// their block's tokens ([`TrellisCode`], 256 levels; the block's `f16`
+    /// mean and scale in place of the grid's zero and scale, so the bits
+    /// count the same).
+    ///
+    /// # Errors
+    /// None for the blocks [`fit_with`](Self::fit_with) takes; the message
+    /// of [`TrellisCode::gaussian`] otherwise.
+    pub fn with_trellis(mut self) -> Result<Self, String> {
+        self.trellis = trellis_codes(self.block)?;
+        Ok(self)
     }
 
     /// These widths with the rows at positions below `sinks` left exact,
@@ -355,6 +432,10 @@ impl RoundTrip for ChannelBits {
         let skip = self.sinks.saturating_sub(pos0).min(n_tokens) * width;
         let x = &mut x[skip..];
         let src = x.to_vec();
+        for (b, code) in (1..).zip(&self.trellis) {
+            trellis_channels(x, width, self.block, code, |c| widths[c] == b);
+            done[usize::from(b)] = true;
+        }
         for &b in widths {
             if std::mem::replace(&mut done[b as usize], true) {
                 continue;
@@ -451,6 +532,7 @@ mod tests {
             head_dim: hd,
             bits: vec![widths.clone()],
             sinks: 0,
+            trellis: Vec::new(),
         };
         let mut y = x.clone();
         a.round_trip(0, 0, &mut y, t, n_kv, hd).unwrap();
@@ -476,6 +558,54 @@ mod tests {
         assert!(a.round_trip(0, 0, &mut z, t, 1, 2 * hd).is_err());
         assert!(a.round_trip(0, 0, &mut z[..8], t, n_kv, hd).is_err());
         assert_eq!(z, x);
+    }
+
+    /// With a trellis, channels of 1–3 bits take the trellis code of their
+    /// width around each block's mean, wider ones the grid, 0 bits the
+    /// mean; on Gaussian channels the trellis beats the grid at the same
+    /// bits, which count the same.
+    #[test]
+    fn trellis_widths_code_their_channels() {
+        let (t, n_kv, hd) = (96, 1, 8);
+        let mut r = crate::model::SplitMix64(5);
+        let x: Vec<f32> = (0..t * n_kv * hd)
+            .map(|i| {
+                let (u, v) = (((r.uniform() + 1.0) / 2.0).max(1e-9), r.uniform());
+                let g = (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos();
+                g * (1.0 + (i % hd) as f32) + 3.0
+            })
+            .collect();
+        let widths: Vec<u8> = vec![0, 1, 2, 3, 4, 6, 2, 2];
+        let grid = ChannelBits {
+            block: 32,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+            bits: vec![widths.clone()],
+            sinks: 0,
+            trellis: Vec::new(),
+        };
+        let tr = grid.clone().with_trellis().unwrap();
+        assert_eq!(tr.effective_bits(0), grid.effective_bits(0));
+        let (mut yg, mut yt) = (x.clone(), x.clone());
+        grid.round_trip(0, 0, &mut yg, t, n_kv, hd).unwrap();
+        tr.round_trip(0, 0, &mut yt, t, n_kv, hd).unwrap();
+        let err = |y: &[f32], c: usize| -> f64 {
+            (0..t)
+                .map(|i| f64::from(y[i * hd + c] - x[i * hd + c]).powi(2))
+                .sum()
+        };
+        for (c, &w) in widths.iter().enumerate() {
+            match w {
+                0 | 4 | 6 => assert_eq!(err(&yt, c), err(&yg, c), "channel {c}"),
+                _ => {
+                    let mut want = x.clone();
+                    let code = &tr.trellis[usize::from(w) - 1];
+                    trellis_channels(&mut want, hd, 32, code, |k| k == c);
+                    assert!((0..t).all(|i| yt[i * hd + c] == want[i * hd + c]));
+                    assert!(err(&yt, c) < err(&yg, c), "channel {c} at {w} bits");
+                }
+            }
+        }
     }
 
     #[test]

@@ -307,6 +307,12 @@ impl TrellisCode {
         }
     }
 
+    /// Replace `x` by its reconstruction as one chain of this code, without
+    /// a rotation: one `f16` scale per group of the code's group size.
+    pub fn code(&self, x: &mut [f32]) {
+        self.code_head(x, &mut Scratch::default());
+    }
+
     /// Check that `states` is one chain of this trellis: each state's low
     /// `L − k` bits shifted up are the next state's high bits, and the
     /// first state's high `L − k` bits are zero.

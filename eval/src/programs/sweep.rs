@@ -219,8 +219,9 @@ pub enum GridKind {
     /// widths by query energy, alone and beside rotated Lloyd-Max values.
     Alloc,
     /// A study of values in a bitshift trellis code ([`crate::trellis`])
-    /// against rotated Lloyd-Max levels at the same bits, alone and beside
-    /// key channel widths at 3.0 effective bits ([`trellis_grid`]).
+    /// against rotated Lloyd-Max levels at the same bits, keys' channels in
+    /// the same code along their tokens against the grid, and the two at
+    /// 3.0 effective bits ([`trellis_grid`]).
     Trellis,
 }
 
@@ -1728,6 +1729,24 @@ pub fn plan_configs(
     Ok(out)
 }
 
+/// What the round-trip studies ([`alloc_grid`], [`trellis_grid`]) start
+/// from: the captures of the held-out windows, and the cache that keeps
+/// both tensors exact with the run's residual window and sinks.
+fn study_setup(
+    model: &Model,
+    tok: &crate::tokenizer::Tokenizer,
+    args: &Args,
+    opts: &PplOptions,
+) -> Result<(Vec<Capture>, CacheSpec), BoxError> {
+    let caps = held_captures(model, &held_windows(tok, args, opts)?, opts.bos)?;
+    let spec = CacheSpec {
+        residual: args.residual,
+        sinks: args.sinks,
+        ..CacheSpec::FULL
+    };
+    Ok((caps, spec))
+}
+
 /// [`GridKind::Alloc`]: per-channel key widths ([`ChannelBits`]) fitted on
 /// the held-out windows of `args.calib` (as [`plan_grid`] takes them),
 /// against one width for every channel through the same round trip, keys
@@ -1742,13 +1761,8 @@ pub fn alloc_grid(
     opts: &PplOptions,
 ) -> Result<Vec<Config>, BoxError> {
     let t = Instant::now();
-    let caps = held_captures(model, &held_windows(tok, args, opts)?, opts.bos)?;
+    let (caps, spec) = study_setup(model, tok, args, opts)?;
     let cfg = &model.cfg;
-    let spec = CacheSpec {
-        residual: args.residual,
-        sinks: args.sinks,
-        ..CacheSpec::FULL
-    };
     const BLOCK: usize = 64;
     let base = FitOptions {
         block: BLOCK,
@@ -1858,8 +1872,11 @@ pub fn alloc_grid(
 /// ([`TrellisCode`], one `f16` scale per group) against rotated Lloyd-Max
 /// values of the same bits and groups in the cache, keys exact; then at
 /// 3.0 effective bits beside key channel widths (rotary pairs, blocks of
-/// 128 tokens, fitted on the held-out windows as [`alloc_grid`] does). The
-/// sinks stay exact in both round trips.
+/// 128 tokens, fitted on the held-out windows as [`alloc_grid`] does);
+/// keys at one width or fitted widths with their 1–3-bit channels in the
+/// grid or in a trellis code along their blocks' tokens (`·T`,
+/// [`ChannelBits::with_trellis`]), alone and beside trellis values. The
+/// sinks stay exact in every round trip.
 pub fn trellis_grid(
     model: &Model,
     tok: &crate::tokenizer::Tokenizer,
@@ -1868,28 +1885,25 @@ pub fn trellis_grid(
 ) -> Result<Vec<Config>, BoxError> {
     use std::sync::Arc;
     let t = Instant::now();
-    let caps = held_captures(model, &held_windows(tok, args, opts)?, opts.bos)?;
+    let (caps, spec) = study_setup(model, tok, args, opts)?;
     let cfg = &model.cfg;
-    let spec = CacheSpec {
-        residual: args.residual,
-        sinks: args.sinks,
-        ..CacheSpec::FULL
-    };
     let hd = cfg.head_dim;
     let trellis = |l: u32, k: u32, group: usize| -> Result<Arc<TrellisCode>, BoxError> {
         Ok(Arc::new(
             TrellisCode::gaussian(l, k, group.min(hd))?.with_sinks(args.sinks),
         ))
     };
-    let widths = |bits: f64| -> Result<Arc<ChannelBits>, BoxError> {
+    let widths_with = |bits: f64, trellis: bool| -> Result<Arc<ChannelBits>, BoxError> {
         let o = FitOptions {
             block: 128,
             pairs: true,
             sinks: args.sinks,
+            trellis,
             ..FitOptions::default()
         };
         Ok(Arc::new(ChannelBits::fit_with(cfg, &caps, bits, o)?))
     };
+    let widths = |bits: f64| widths_with(bits, false);
     let cached = |name: String, k: Option<Arc<ChannelBits>>, v: Codec| Config {
         key_bits: k,
         layers: Some(vec![(None, Some(v)); cfg.n_layers]),
@@ -1943,6 +1957,38 @@ pub fn trellis_grid(
     out.push(coded(
         format!("K3.5 pc128 by pair / V trellis2 L8 g{g}"),
         Some(k35),
+        trellis(8, 2, g)?,
+    ));
+    // Keys: every channel at one width, or widths by pair, each block of
+    // 128 tokens of a 1–3-bit channel in the grid or a trellis code (`·T`).
+    let keys_only = |name: String, k: Arc<ChannelBits>| Config {
+        key_bits: Some(k),
+        ..Config::new(name, spec)
+    };
+    for b in [2u8, 3] {
+        let one =
+            ChannelBits::uniform(cfg.n_layers, cfg.n_kv_heads, hd, b, 128).with_sinks(args.sinks);
+        out.push(keys_only(
+            format!("K{b} pc128 every channel"),
+            Arc::new(one.clone()),
+        ));
+        out.push(keys_only(
+            format!("K{b} pc128 every channel·T"),
+            Arc::new(one.with_trellis()?),
+        ));
+    }
+    out.push(keys_only("K2.5 pc128 by pair".into(), widths(2.5)?));
+    let t25 = widths_with(2.5, true)?;
+    let t35 = widths_with(3.5, true)?;
+    out.push(keys_only("K2.5 pc128 by pair·T".into(), t25.clone()));
+    out.push(coded(
+        format!("K2.5 pc128 by pair·T / V trellis3 L8 g{g}"),
+        Some(t25),
+        trellis(8, 3, g)?,
+    ));
+    out.push(coded(
+        format!("K3.5 pc128 by pair·T / V trellis2 L8 g{g}"),
+        Some(t35),
         trellis(8, 2, g)?,
     ));
     eprintln!("trellis grid built in {:.1}s", t.elapsed().as_secs_f64());
