@@ -1876,6 +1876,7 @@ fn channel_widths_spend_the_budget_and_lower_the_score_error() {
         per_layer,
         sinks: 0,
         trellis: false,
+        by_error: false,
     };
     let paired = ChannelBits::fit_with(c, caps, 3.0, opts(true, false)).unwrap();
     let layered = ChannelBits::fit_with(c, caps, 3.0, opts(false, true)).unwrap();
@@ -1910,6 +1911,24 @@ fn channel_widths_spend_the_budget_and_lower_the_score_error() {
         }
     }
     assert!(score_error(&coded) < 0.5 * eo);
+    // Trellis or grid per channel, by the calibration error.
+    let chosen = ChannelBits::fit_with(
+        c,
+        caps,
+        3.0,
+        FitOptions {
+            trellis: true,
+            by_error: true,
+            ..opts(true, false)
+        },
+    )
+    .unwrap();
+    for l in 0..c.n_layers {
+        for h in chosen.layer(l).chunks_exact(hd) {
+            assert_eq!(h.iter().map(|&b| usize::from(b)).sum::<usize>(), 3 * hd);
+        }
+    }
+    assert!(score_error(&chosen) < 0.5 * eo);
     // A budget past 8 bits or an empty calibration set is refused.
     assert!(ChannelBits::fit(c, std::slice::from_ref(&cap), 9.0, 16).is_err());
     assert!(ChannelBits::fit(c, &[], 3.0, 16).is_err());

@@ -48,6 +48,9 @@ pub struct FitOptions {
     /// Channels of 1–3 bits in a trellis code along their block's tokens
     /// ([`ChannelBits::with_trellis`]) instead of the uniform grid.
     pub trellis: bool,
+    /// With `trellis`: each channel of 1–4 bits in the trellis or the
+    /// grid, whichever its calibration error favours at its width.
+    pub by_error: bool,
 }
 
 impl Default for FitOptions {
@@ -60,6 +63,7 @@ impl Default for FitOptions {
             per_layer: false,
             sinks: 0,
             trellis: false,
+            by_error: false,
         }
     }
 }
@@ -74,19 +78,26 @@ pub struct ChannelBits {
     bits: Vec<Vec<u8>>,
     /// Positions kept exact (attention sinks).
     sinks: usize,
-    /// Trellis codes of 1–3 bits (index `bits − 1`) for the channels of
-    /// those widths; empty: the uniform grid at every width.
+    /// Trellis codes of 1–4 bits (index `bits − 1`); empty: the uniform
+    /// grid at every width.
     trellis: Vec<TrellisCode>,
+    /// `coded[layer][head·head_dim + c]`: the channel is in the trellis
+    /// code of its width (empty without trellis codes).
+    coded: Vec<Vec<bool>>,
 }
 
-/// Widest channel a trellis code takes: at 4 bits a block's min/max grid
-/// already beats a 256-level trellis on blocks of 32 Gaussian tokens.
+/// Widest channel a trellis code takes by default: at 4 bits a block's
+/// min/max grid already beats a 256-level trellis on blocks of 32
+/// Gaussian tokens.
 const TRELLIS_MAX_BITS: u8 = 3;
 
-/// The trellis codes of 1–3 bits for per-channel blocks of `block` tokens
+/// Widest channel [`FitOptions::by_error`] tries in a trellis code.
+const TRELLIS_TRY_BITS: u8 = 4;
+
+/// The trellis codes of 1–4 bits for per-channel blocks of `block` tokens
 /// (256-level tables, one scale per block).
 fn trellis_codes(block: usize) -> Result<Vec<TrellisCode>, String> {
-    (1..=u32::from(TRELLIS_MAX_BITS))
+    (1..=u32::from(TRELLIS_TRY_BITS))
         .map(|k| TrellisCode::gaussian(8, k, block))
         .collect()
 }
@@ -221,6 +232,7 @@ impl ChannelBits {
             Vec::new()
         };
         let mut bits = Vec::with_capacity(cfg.n_layers);
+        let mut coded = Vec::new();
         for l in 0..cfg.n_layers {
             // Query energy per channel of each KV head, pairs pooled.
             let mut energy = vec![0f64; width];
@@ -244,22 +256,47 @@ impl ChannelBits {
                     (energy[h * hd + c] + energy[h * hd + p]) / n_rows.max(1) as f64
                 })
                 .collect();
-            // Each channel's mean squared error at every width.
+            // Each channel's mean squared error at every width, in the
+            // grid and (at 1–4 bits) in the trellis.
             let mut d = vec![[0f64; MAX_BITS as usize + 1]; width];
+            let mut dt = vec![[f64::INFINITY; MAX_BITS as usize + 1]; width];
             for cap in caps {
                 let k = &cap.layers[l].k_pre_rope;
                 let k = &k[(opts.sinks * width).min(k.len())..];
                 for b in 0..=MAX_BITS {
-                    let r = match trellis.get(usize::from(b).wrapping_sub(1)) {
-                        Some(code) => {
-                            let mut r = k.to_vec();
-                            trellis_channels(&mut r, width, block, code, |_| true);
-                            r
-                        }
-                        None => at_width(k, width, b, block)?,
-                    };
+                    let r = at_width(k, width, b, block)?;
                     for (i, (&y, &x)) in r.iter().zip(k).enumerate() {
                         d[i % width][b as usize] += f64::from(y - x).powi(2);
+                    }
+                    let Some(code) = trellis.get(usize::from(b).wrapping_sub(1)) else {
+                        continue;
+                    };
+                    let mut r = k.to_vec();
+                    trellis_channels(&mut r, width, block, code, |_| true);
+                    for (i, (&y, &x)) in r.iter().zip(k).enumerate() {
+                        let e = &mut dt[i % width][b as usize];
+                        *e = if e.is_finite() { *e } else { 0.0 } + f64::from(y - x).powi(2);
+                    }
+                }
+            }
+            // Whether each channel is in the trellis at each width.
+            let on: Vec<[bool; MAX_BITS as usize + 1]> = (0..width)
+                .map(|c| {
+                    std::array::from_fn(|b| {
+                        (1..=usize::from(TRELLIS_TRY_BITS)).contains(&b)
+                            && !trellis.is_empty()
+                            && if opts.by_error {
+                                dt[c][b] < d[c][b]
+                            } else {
+                                b <= usize::from(TRELLIS_MAX_BITS)
+                            }
+                    })
+                })
+                .collect();
+            for (c, dc) in d.iter_mut().enumerate() {
+                for (b, e) in dc.iter_mut().enumerate() {
+                    if on[c][b] {
+                        *e = dt[c][b];
                     }
                 }
             }
@@ -288,6 +325,14 @@ impl ChannelBits {
                 }
                 lb
             };
+            if !trellis.is_empty() {
+                coded.push(
+                    lb.iter()
+                        .enumerate()
+                        .map(|(c, &b)| on[c][usize::from(b)])
+                        .collect(),
+                );
+            }
             bits.push(lb);
         }
         Ok(ChannelBits {
@@ -297,6 +342,7 @@ impl ChannelBits {
             bits,
             sinks: opts.sinks,
             trellis,
+            coded,
         })
     }
 
@@ -316,6 +362,7 @@ impl ChannelBits {
             bits: vec![vec![bits.min(MAX_BITS); n_kv_heads * head_dim]; n_layers],
             sinks: 0,
             trellis: Vec::new(),
+            coded: Vec::new(),
         }
     }
 
@@ -329,7 +376,21 @@ impl ChannelBits {
     /// of [`TrellisCode::gaussian`] otherwise.
     pub fn with_trellis(mut self) -> Result<Self, String> {
         self.trellis = trellis_codes(self.block)?;
+        self.coded = self
+            .bits
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .map(|&b| (1..=TRELLIS_MAX_BITS).contains(&b))
+                    .collect()
+            })
+            .collect();
         Ok(self)
+    }
+
+    /// Count of channels in a trellis code, over every layer and head.
+    pub fn trellis_channels(&self) -> usize {
+        self.coded.iter().flatten().filter(|&&c| c).count()
     }
 
     /// These widths with the rows at positions below `sinks` left exact,
@@ -432,17 +493,17 @@ impl RoundTrip for ChannelBits {
         let skip = self.sinks.saturating_sub(pos0).min(n_tokens) * width;
         let x = &mut x[skip..];
         let src = x.to_vec();
+        let coded = |c: usize| self.coded.get(layer).is_some_and(|l| l[c]);
         for (b, code) in (1..).zip(&self.trellis) {
-            trellis_channels(x, width, self.block, code, |c| widths[c] == b);
-            done[usize::from(b)] = true;
+            trellis_channels(x, width, self.block, code, |c| widths[c] == b && coded(c));
         }
-        for &b in widths {
-            if std::mem::replace(&mut done[b as usize], true) {
+        for (c, &b) in widths.iter().enumerate() {
+            if coded(c) || std::mem::replace(&mut done[b as usize], true) {
                 continue;
             }
             let r = at_width(&src, width, b, self.block)?;
             for (i, (y, &w)) in x.iter_mut().zip(widths.iter().cycle()).enumerate() {
-                if w == b {
+                if w == b && !coded(i % width) {
                     *y = r[i];
                 }
             }
@@ -533,6 +594,7 @@ mod tests {
             bits: vec![widths.clone()],
             sinks: 0,
             trellis: Vec::new(),
+            coded: Vec::new(),
         };
         let mut y = x.clone();
         a.round_trip(0, 0, &mut y, t, n_kv, hd).unwrap();
@@ -583,6 +645,7 @@ mod tests {
             bits: vec![widths.clone()],
             sinks: 0,
             trellis: Vec::new(),
+            coded: Vec::new(),
         };
         let tr = grid.clone().with_trellis().unwrap();
         assert_eq!(tr.effective_bits(0), grid.effective_bits(0));

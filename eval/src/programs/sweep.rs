@@ -1893,17 +1893,18 @@ pub fn trellis_grid(
             TrellisCode::gaussian(l, k, group.min(hd))?.with_sinks(args.sinks),
         ))
     };
-    let widths_with = |bits: f64, trellis: bool| -> Result<Arc<ChannelBits>, BoxError> {
+    let widths_with = |bits: f64, trellis: bool, by_error: bool| {
         let o = FitOptions {
             block: 128,
             pairs: true,
             sinks: args.sinks,
             trellis,
+            by_error,
             ..FitOptions::default()
         };
-        Ok(Arc::new(ChannelBits::fit_with(cfg, &caps, bits, o)?))
+        ChannelBits::fit_with(cfg, &caps, bits, o).map(Arc::new)
     };
-    let widths = |bits: f64| widths_with(bits, false);
+    let widths = |bits: f64| widths_with(bits, false, false);
     let cached = |name: String, k: Option<Arc<ChannelBits>>, v: Codec| Config {
         key_bits: k,
         layers: Some(vec![(None, Some(v)); cfg.n_layers]),
@@ -1978,8 +1979,8 @@ pub fn trellis_grid(
         ));
     }
     out.push(keys_only("K2.5 pc128 by pair".into(), widths(2.5)?));
-    let t25 = widths_with(2.5, true)?;
-    let t35 = widths_with(3.5, true)?;
+    let t25 = widths_with(2.5, true, false)?;
+    let t35 = widths_with(3.5, true, false)?;
     out.push(keys_only("K2.5 pc128 by pair·T".into(), t25.clone()));
     out.push(coded(
         format!("K2.5 pc128 by pair·T / V trellis3 L8 g{g}"),
@@ -1990,6 +1991,19 @@ pub fn trellis_grid(
         format!("K3.5 pc128 by pair·T / V trellis2 L8 g{g}"),
         Some(t35),
         trellis(8, 2, g)?,
+    ));
+    // Each channel in the trellis or the grid, by its calibration error.
+    let e25 = widths_with(2.5, true, true)?;
+    eprintln!(
+        "K2.5 by pair·TG: {} of {} channels in the trellis",
+        e25.trellis_channels(),
+        cfg.n_layers * cfg.n_kv_heads * hd
+    );
+    out.push(keys_only("K2.5 pc128 by pair·TG".into(), e25.clone()));
+    out.push(coded(
+        format!("K2.5 pc128 by pair·TG / V trellis3 L8 g{g}"),
+        Some(e25),
+        trellis(8, 3, g)?,
     ));
     eprintln!("trellis grid built in {:.1}s", t.elapsed().as_secs_f64());
     Ok(out)
