@@ -27,7 +27,8 @@
 //! Lloyd-Max tables they start from), `alloc` (a study: key channels at
 //! widths fitted by query energy, against one width, [`crate::alloc`]) and
 //! `trellis` (a study: values in a trellis code against rotated Lloyd-Max
-//! levels of the same bits, [`crate::trellis`]).
+//! levels of the same bits, and key channels in it against the grid,
+//! [`crate::trellis`]).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
 //! (pip + apt, checked by sha256). For every domain and configuration it
@@ -132,7 +133,7 @@ pub struct Args {
         default_value = "3,3.5,4,4.5"
     )]
     pub budgets: Vec<f64>,
-    /// --grid plan, fit and alloc: the corpora of the held-out calibration windows (from
+    /// --grid plan, fit, alloc and trellis: the corpora of the held-out calibration windows (from
     /// each, the window right after the tokens the sweep scores).
     #[arg(
         long,
