@@ -117,8 +117,7 @@ fn trellis_channels(
         for c in (0..width).filter(|&c| pick(c)) {
             col.clear();
             col.extend(rows.iter().skip(c).step_by(width));
-            let mean = col.iter().map(|&v| f64::from(v)).sum::<f64>() / col.len() as f64;
-            let m = half::f16::from_f64(mean).to_f32();
+            let m = f16_mean(col.iter().copied());
             col.iter_mut().for_each(|v| *v -= m);
             code.code(&mut col);
             for (y, v) in rows.iter_mut().skip(c).step_by(width).zip(&col) {
@@ -126,6 +125,12 @@ fn trellis_channels(
             }
         }
     }
+}
+
+/// The mean of `v` (at least one value), as the `f16` a block stores.
+fn f16_mean(v: impl Iterator<Item = f32>) -> f32 {
+    let (sum, n) = v.fold((0f64, 0usize), |(s, n), x| (s + f64::from(x), n + 1));
+    half::f16::from_f64(sum / n as f64).to_f32()
 }
 
 /// `x` (`[tokens, width]`, `width` a multiple of 8) with every channel
@@ -136,16 +141,8 @@ fn at_width(x: &[f32], width: usize, bits: u8, block: usize) -> Result<Vec<f32>,
     if bits == 0 {
         let mut out = x.to_vec();
         for rows in out.chunks_mut(block * width) {
-            let n = rows.len() / width;
             for c in 0..width {
-                let mean = rows
-                    .iter()
-                    .skip(c)
-                    .step_by(width)
-                    .map(|&v| f64::from(v))
-                    .sum::<f64>()
-                    / n as f64;
-                let m = half::f16::from_f64(mean).to_f32();
+                let m = f16_mean(rows.iter().skip(c).step_by(width).copied());
                 rows.iter_mut().skip(c).step_by(width).for_each(|v| *v = m);
             }
         }
@@ -648,7 +645,7 @@ mod tests {
             coded: Vec::new(),
         };
         let tr = grid.clone().with_trellis().unwrap();
-        assert_eq!(tr.effective_bits(0), grid.effective_bits(0));
+        assert_eq!(tr.trellis_channels(), 5);
         let (mut yg, mut yt) = (x.clone(), x.clone());
         grid.round_trip(0, 0, &mut yg, t, n_kv, hd).unwrap();
         tr.round_trip(0, 0, &mut yt, t, n_kv, hd).unwrap();

@@ -328,7 +328,7 @@ impl Config {
                 let vb = self
                     .value_code
                     .as_ref()
-                    .map_or(eb(v), |t| t.effective_bits());
+                    .map_or(eb(v), |t| t.effective_bits(hd));
                 (kb + vb) / 2.0
             })
             .sum();
@@ -1273,20 +1273,9 @@ fn attention_kl_with(
     let mut total = 0.0;
     for (li, l) in cap.layers.iter().enumerate() {
         let (kc, vc) = c.codecs(li);
-        let vh = match &c.value_code {
-            Some(t) => {
-                let mut v = l.v.clone();
-                let n = v.len() / (n_kv * hd);
-                t.round_trip(li, cap.pos0, &mut v, n, n_kv, hd)
-                    .map_err(|what| kvq::Error::InvalidConfig {
-                        op: "value round trip",
-                        what,
-                    })?;
-                v
-            }
-            None => hat(&l.v, vc, n_kv, hd)?,
-        };
-        let kh = keys(li, l, kc)?;
+        // The KL of the attention weights does not see the values: a
+        // value round trip outside the cache (`value_code`) is left out.
+        let (kh, vh) = (keys(li, l, kc)?, hat(&l.v, vc, n_kv, hd)?);
         total += layer_errors(shape, l.q.as_slice(), &l.k, &l.v, &kh, &vh, &cfg)?
             .summary
             .mean
