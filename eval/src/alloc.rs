@@ -105,7 +105,7 @@ fn trellis_codes(block: usize) -> Result<Vec<TrellisCode>, String> {
 /// The channels of `x` (`[tokens, width]`) with `pick(c)` true, each
 /// block of `block` tokens coded by `code` around its `f16` mean (the
 /// mean and the code's scale: the two params of the grid's block).
-fn trellis_channels(
+fn code_channels(
     x: &mut [f32],
     width: usize,
     block: usize,
@@ -113,13 +113,14 @@ fn trellis_channels(
     pick: impl Fn(usize) -> bool,
 ) {
     let mut col = Vec::with_capacity(block);
+    let mut scratch = crate::trellis::Scratch::default();
     for rows in x.chunks_mut(block * width) {
         for c in (0..width).filter(|&c| pick(c)) {
             col.clear();
             col.extend(rows.iter().skip(c).step_by(width));
             let m = f16_mean(col.iter().copied());
             col.iter_mut().for_each(|v| *v -= m);
-            code.code(&mut col);
+            code.code(&mut col, &mut scratch);
             for (y, v) in rows.iter_mut().skip(c).step_by(width).zip(&col) {
                 *y = v + m;
             }
@@ -228,6 +229,14 @@ impl ChannelBits {
         } else {
             Vec::new()
         };
+        // The widths tried in the trellis: the default's, or with
+        // `by_error` up to 4 bits.
+        let tried = if opts.by_error {
+            TRELLIS_TRY_BITS
+        } else {
+            TRELLIS_MAX_BITS
+        };
+        let in_trellis = |b: u8| !trellis.is_empty() && (1..=tried).contains(&b);
         let mut bits = Vec::with_capacity(cfg.n_layers);
         let mut coded = Vec::new();
         for l in 0..cfg.n_layers {
@@ -254,9 +263,9 @@ impl ChannelBits {
                 })
                 .collect();
             // Each channel's mean squared error at every width, in the
-            // grid and (at 1–4 bits) in the trellis.
+            // grid and (at the widths `tried`) in the trellis.
             let mut d = vec![[0f64; MAX_BITS as usize + 1]; width];
-            let mut dt = vec![[f64::INFINITY; MAX_BITS as usize + 1]; width];
+            let mut dt = vec![[0f64; MAX_BITS as usize + 1]; width];
             for cap in caps {
                 let k = &cap.layers[l].k_pre_rope;
                 let k = &k[(opts.sinks * width).min(k.len())..];
@@ -265,14 +274,13 @@ impl ChannelBits {
                     for (i, (&y, &x)) in r.iter().zip(k).enumerate() {
                         d[i % width][b as usize] += f64::from(y - x).powi(2);
                     }
-                    let Some(code) = trellis.get(usize::from(b).wrapping_sub(1)) else {
+                    if !in_trellis(b) {
                         continue;
-                    };
+                    }
                     let mut r = k.to_vec();
-                    trellis_channels(&mut r, width, block, code, |_| true);
+                    code_channels(&mut r, width, block, &trellis[usize::from(b) - 1], |_| true);
                     for (i, (&y, &x)) in r.iter().zip(k).enumerate() {
-                        let e = &mut dt[i % width][b as usize];
-                        *e = if e.is_finite() { *e } else { 0.0 } + f64::from(y - x).powi(2);
+                        dt[i % width][b as usize] += f64::from(y - x).powi(2);
                     }
                 }
             }
@@ -280,13 +288,7 @@ impl ChannelBits {
             let on: Vec<[bool; MAX_BITS as usize + 1]> = (0..width)
                 .map(|c| {
                     std::array::from_fn(|b| {
-                        (1..=usize::from(TRELLIS_TRY_BITS)).contains(&b)
-                            && !trellis.is_empty()
-                            && if opts.by_error {
-                                dt[c][b] < d[c][b]
-                            } else {
-                                b <= usize::from(TRELLIS_MAX_BITS)
-                            }
+                        in_trellis(b as u8) && (!opts.by_error || dt[c][b] < d[c][b])
                     })
                 })
                 .collect();
@@ -478,12 +480,7 @@ impl RoundTrip for ChannelBits {
                 self.head_dim
             ));
         }
-        if x.len() != n_tokens * width {
-            return Err(format!(
-                "channel bits: {} values for {n_tokens} tokens of {width}",
-                x.len()
-            ));
-        }
+        crate::model::rows_width("channel bits", x, n_tokens, n_kv_heads, head_dim)?;
         let widths = &self.bits[layer];
         let mut done = [false; MAX_BITS as usize + 1];
         // Rows at positions below `sinks` stay exact; blocks start after.
@@ -492,7 +489,7 @@ impl RoundTrip for ChannelBits {
         let src = x.to_vec();
         let coded = |c: usize| self.coded.get(layer).is_some_and(|l| l[c]);
         for (b, code) in (1..).zip(&self.trellis) {
-            trellis_channels(x, width, self.block, code, |c| widths[c] == b && coded(c));
+            code_channels(x, width, self.block, code, |c| widths[c] == b && coded(c));
         }
         for (c, &b) in widths.iter().enumerate() {
             if coded(c) || std::mem::replace(&mut done[b as usize], true) {
@@ -556,6 +553,19 @@ mod tests {
         assert!(col(2).iter().all(|&v| v == 0.0));
     }
 
+    /// One layer of the given widths in the grid, blocks of 32 tokens.
+    fn one_layer(widths: &[u8], n_kv: usize, hd: usize) -> ChannelBits {
+        ChannelBits {
+            block: 32,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+            bits: vec![widths.to_vec()],
+            sinks: 0,
+            trellis: Vec::new(),
+            coded: Vec::new(),
+        }
+    }
+
     fn noise(n: usize, seed: u64) -> Vec<f32> {
         let mut r = crate::model::SplitMix64(seed);
         (0..n).map(|_| r.uniform()).collect()
@@ -584,15 +594,7 @@ mod tests {
         let (t, n_kv, hd) = (70, 2, 8);
         let x = noise(t * n_kv * hd, 9);
         let widths: Vec<u8> = (0..n_kv * hd).map(|i| [0, 2, 3, 4, 8][i % 5]).collect();
-        let a = ChannelBits {
-            block: 32,
-            n_kv_heads: n_kv,
-            head_dim: hd,
-            bits: vec![widths.clone()],
-            sinks: 0,
-            trellis: Vec::new(),
-            coded: Vec::new(),
-        };
+        let a = one_layer(&widths, n_kv, hd);
         let mut y = x.clone();
         a.round_trip(0, 0, &mut y, t, n_kv, hd).unwrap();
         for b in [0u8, 2, 3, 4, 8] {
@@ -635,15 +637,7 @@ mod tests {
             })
             .collect();
         let widths: Vec<u8> = vec![0, 1, 2, 3, 4, 6, 2, 2];
-        let grid = ChannelBits {
-            block: 32,
-            n_kv_heads: n_kv,
-            head_dim: hd,
-            bits: vec![widths.clone()],
-            sinks: 0,
-            trellis: Vec::new(),
-            coded: Vec::new(),
-        };
+        let grid = one_layer(&widths, n_kv, hd);
         let tr = grid.clone().with_trellis().unwrap();
         assert_eq!(tr.trellis_channels(), 5);
         let (mut yg, mut yt) = (x.clone(), x.clone());
@@ -660,7 +654,7 @@ mod tests {
                 _ => {
                     let mut want = x.clone();
                     let code = &tr.trellis[usize::from(w) - 1];
-                    trellis_channels(&mut want, hd, 32, code, |k| k == c);
+                    code_channels(&mut want, hd, 32, code, |k| k == c);
                     assert!((0..t).all(|i| yt[i * hd + c] == want[i * hd + c]));
                     assert!(err(&yt, c) < err(&yg, c), "channel {c} at {w} bits");
                 }

@@ -343,6 +343,25 @@ impl std::str::FromStr for QuantPoint {
     }
 }
 
+/// The width of a [`RoundTrip`]'s rows (`n_kv_heads·head_dim`), or a
+/// message naming `what` when `x` is not `n_tokens` such rows.
+pub fn rows_width(
+    what: &str,
+    x: &[f32],
+    n_tokens: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+) -> std::result::Result<usize, String> {
+    let width = n_kv_heads * head_dim;
+    if x.len() != n_tokens * width {
+        return Err(format!(
+            "{what}: {} values are not {n_tokens} tokens of {n_kv_heads}×{head_dim}",
+            x.len()
+        ));
+    }
+    Ok(width)
+}
+
 /// A quantize-dequantize round trip applied in place.
 pub trait RoundTrip {
     /// Replace `x` (`[n_tokens, n_kv_heads*head_dim]` row-major, of layer

@@ -1737,6 +1737,23 @@ fn study_setup(
     Ok((caps, spec))
 }
 
+/// A round-trip study's configuration on `spec`: keys at channel widths
+/// (exact without), values in the cache through `values` on every one of
+/// `n_layers` layers (exact without).
+fn study_config(
+    name: String,
+    spec: CacheSpec,
+    n_layers: usize,
+    keys: Option<std::sync::Arc<ChannelBits>>,
+    values: Option<Codec>,
+) -> Config {
+    Config {
+        key_bits: keys,
+        layers: values.map(|v| vec![(None, Some(v)); n_layers]),
+        ..Config::new(name, spec)
+    }
+}
+
 /// [`GridKind::Alloc`]: per-channel key widths ([`ChannelBits`]) fitted on
 /// the held-out windows of `args.calib` (as [`plan_grid`] takes them),
 /// against one width for every channel through the same round trip, keys
@@ -1771,15 +1788,8 @@ pub fn alloc_grid(
                 .with_sinks(args.sinks),
         )
     };
-    let keys_only = |name: String, a: std::sync::Arc<ChannelBits>| Config {
-        key_bits: Some(a),
-        ..Config::new(name, spec)
-    };
-    let with_values = |name: String, a: std::sync::Arc<ChannelBits>, v: Codec| Config {
-        key_bits: Some(a),
-        layers: Some(vec![(None, Some(v)); cfg.n_layers]),
-        ..Config::new(name, spec)
-    };
+    let keys_only = |name, a| study_config(name, spec, cfg.n_layers, Some(a), None);
+    let with_values = |name, a, v| study_config(name, spec, cfg.n_layers, Some(a), Some(v));
     let mut out = Vec::new();
     let mut fitted = Vec::new();
     for b in [2.0, 2.5, 3.0] {
@@ -1895,11 +1905,7 @@ pub fn trellis_grid(
         ChannelBits::fit_with(cfg, &caps, bits, o).map(Arc::new)
     };
     let widths = |bits: f64| widths_with(bits, false, false);
-    let cached = |name: String, k: Option<Arc<ChannelBits>>, v: Codec| Config {
-        key_bits: k,
-        layers: Some(vec![(None, Some(v)); cfg.n_layers]),
-        ..Config::new(name, spec)
-    };
+    let cached = |name, k, v| study_config(name, spec, cfg.n_layers, k, Some(v));
     let coded = |name: String, k: Option<Arc<ChannelBits>>, v: Arc<TrellisCode>| Config {
         key_bits: k,
         value_code: Some(v),
@@ -1952,10 +1958,7 @@ pub fn trellis_grid(
     ));
     // Keys: every channel at one width, or widths by pair, each block of
     // 128 tokens of a 1–3-bit channel in the grid or a trellis code (`·T`).
-    let keys_only = |name: String, k: Arc<ChannelBits>| Config {
-        key_bits: Some(k),
-        ..Config::new(name, spec)
-    };
+    let keys_only = |name, k| study_config(name, spec, cfg.n_layers, Some(k), None);
     for b in [2u8, 3] {
         let one =
             ChannelBits::uniform(cfg.n_layers, cfg.n_kv_heads, hd, b, 128).with_sinks(args.sinks);
