@@ -1874,6 +1874,7 @@ fn channel_widths_spend_the_budget_and_lower_the_score_error() {
         block: 16,
         pairs,
         per_layer,
+        global: false,
         sinks: 0,
         trellis: false,
         by_error: false,
@@ -1893,6 +1894,27 @@ fn channel_widths_spend_the_budget_and_lower_the_score_error() {
     }
     assert!(score_error(&paired) < 0.5 * eo);
     assert!(score_error(&layered) < 0.5 * eo);
+    // One budget for the model: spent in full across the layers, not
+    // layer by layer.
+    let global = ChannelBits::fit_with(
+        c,
+        caps,
+        3.0,
+        FitOptions {
+            global: true,
+            ..opts(true, false)
+        },
+    )
+    .unwrap();
+    let per: Vec<usize> = (0..c.n_layers)
+        .map(|l| global.layer(l).iter().map(|&b| usize::from(b)).sum())
+        .collect();
+    assert_eq!(
+        per.iter().sum::<usize>(),
+        3 * c.n_layers * n_kv * hd,
+        "{per:?}"
+    );
+    assert!(score_error(&global) < 0.5 * eo);
     // Widths fitted through the trellis code spend the same budget, at
     // the same counted bits per width, and beat one width in the grid.
     let coded = ChannelBits::fit_with(
@@ -1945,7 +1967,7 @@ fn trellis_values_beat_lloyd_max_at_the_point_of_use() {
     use kvq::{Axis, Codec, Group, Levels, Mode, QuantScheme, Rotation};
     use kvq_eval::kvq_store::CacheSpec;
     use kvq_eval::model::RoundTrip;
-    use kvq_eval::programs::sweep::Config as SweepConfig;
+    use kvq_eval::programs::sweep::{Config as SweepConfig, ValueHook};
     use kvq_eval::trellis::TrellisCode;
     let cfg = Config {
         head_dim: 64,
@@ -1989,9 +2011,9 @@ fn trellis_values_beat_lloyd_max_at_the_point_of_use() {
         );
     }
     let conf = SweepConfig {
-        value_code: Some(std::sync::Arc::new(
+        value_code: Some(ValueHook::Trellis(std::sync::Arc::new(
             TrellisCode::gaussian(8, 2, 64).unwrap(),
-        )),
+        ))),
         ..SweepConfig::new("V trellis2", CacheSpec::FULL)
     };
     assert!(!conf.is_baseline());
@@ -2007,7 +2029,7 @@ fn trellis_values_beat_lloyd_max_at_the_point_of_use() {
     };
     let code = conf.value_code.clone().unwrap();
     let mut hooks = Hooks {
-        v: Some(code.as_ref()),
+        v: Some(&code),
         ..Hooks::default()
     };
     let (spec, hook) = conf.store_and_hook();
@@ -2015,4 +2037,151 @@ fn trellis_values_beat_lloyd_max_at_the_point_of_use() {
     let mut store = kvq_eval::kvq_store::KvqStore::for_model(c, spec).unwrap();
     let r = perplexity(&m, &toks, &mut store, &mut hooks, &opts, |_, _| {}).unwrap();
     assert!(r.all.ppl().is_finite());
+}
+
+#[test]
+fn transform_codes_fit_widths_and_round_trip() {
+    use kvq::{Axis, Codec, Group, Levels, Mode, QuantScheme, Rotation};
+    use kvq_eval::capture::{Capture, LayerCapture};
+    use kvq_eval::klt::{KltCode, KltOptions, KltTensor};
+    use kvq_eval::model::RoundTrip;
+    let cfg = Config {
+        head_dim: 16,
+        rope_dim: 16,
+        d_model: 64,
+        ..tiny_config(RopeStyle::Halves)
+    };
+    let m = Model::random(cfg, 14, false);
+    let c = &m.cfg;
+    let (n_kv, hd, n_q) = (c.n_kv_heads, c.head_dim, c.n_heads);
+    let width = n_kv * hd;
+    // Values of very unequal principal variances (2^-i on channel i of a
+    // random basis), where transform coding has the most to gain.
+    let t = 400;
+    let mut rng = kvq_eval::model::SplitMix64(5);
+    let mut gauss = move || {
+        // `uniform` is in [-1, 1).
+        let u = ((f64::from(rng.uniform()) + 1.0) / 2.0).max(1e-12);
+        let v = f64::from(rng.uniform());
+        ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+    };
+    let basis: Vec<f32> = (0..hd * hd).map(|_| gauss()).collect();
+    let mut rows = |n: usize| -> Vec<f32> {
+        (0..n * n_kv)
+            .flat_map(|_| {
+                let z: Vec<f32> = (0..hd)
+                    .map(|i| gauss() * 2f32.powf(-(i as f32) / 2.0))
+                    .collect();
+                (0..hd)
+                    .map(|r| (0..hd).map(|i| basis[r * hd + i] * z[i]).sum::<f32>())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let layer = |v: Vec<f32>| LayerCapture {
+        q: vec![0.5; v.len() / width * n_q * hd],
+        k: v.clone(),
+        v,
+        k_pre_rope: Vec::new(),
+    };
+    let cap = Capture {
+        n_q_heads: n_q,
+        n_kv_heads: n_kv,
+        head_dim: hd,
+        pos0: 0,
+        tokens: vec![0; t],
+        layers: (0..c.n_layers).map(|_| layer(rows(t))).collect(),
+    };
+    let test = rows(64);
+    let mse = |a: &[f32], b: &[f32]| -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| f64::from(x - y).powi(2))
+            .sum::<f64>()
+            / a.len() as f64
+    };
+    let plain = KltOptions {
+        weighted: false,
+        ..KltOptions::default()
+    };
+    let fit = |bits: f64, o: KltOptions| {
+        KltCode::fit(
+            &m,
+            std::slice::from_ref(&cap),
+            KltOptions {
+                code_bits: bits,
+                ..o
+            },
+        )
+        .unwrap()
+    };
+    let coded = |k: &KltCode, pos0: usize| {
+        let mut x = test.clone();
+        k.round_trip(0, pos0, &mut x, 64, n_kv, hd).unwrap();
+        x
+    };
+    // More bits, less error; all of it at 8 bits a channel.
+    let errs: Vec<f64> = [1.0, 2.0, 3.0, 4.0, 8.0]
+        .iter()
+        .map(|&b| mse(&coded(&fit(b, plain), 0), &test))
+        .collect();
+    assert!(errs.windows(2).all(|w| w[1] < w[0]), "{errs:?}");
+    let energy = mse(&test, &vec![0.0; test.len()]);
+    assert!(errs[4] < 1e-4 * energy, "{errs:?} of {energy}");
+    // The codes and one f16 scale per row and head.
+    let k2 = fit(2.0, plain);
+    assert_eq!(k2.effective_bits(), 2.0 + 16.0 / hd as f64);
+    assert_eq!(k2.histogram().iter().sum::<usize>(), c.n_layers * width);
+    assert!(k2.coding_gain() > 1.0, "{}", k2.coding_gain());
+    // Here the principal axes beat the rotated Lloyd-Max grid of the same
+    // bits (2 code bits and a 16-bit scale per 16 values) by far.
+    let s = QuantScheme::new(2, Axis::PerToken, Group::Size(16))
+        .unwrap()
+        .with_mode(Mode::Symmetric)
+        .unwrap();
+    let lloyd = Codec::codebook(s, Levels::Gauss).with_rotation(Rotation::Hadamard);
+    let el = mse(&lloyd.roundtrip(&test, n_kv, hd).unwrap(), &test);
+    let ek = mse(&coded(&k2, 0), &test);
+    assert!(ek < 0.5 * el, "transform {ek} against Lloyd-Max {el}");
+    // Sinks stay exact, only below their positions.
+    let sunk = fit(2.0, KltOptions { sinks: 4, ..plain });
+    let x = coded(&sunk, 0);
+    assert_eq!(x[..4 * width], test[..4 * width]);
+    assert_ne!(x[4 * width..5 * width], test[4 * width..5 * width]);
+    assert_ne!(coded(&sunk, 4)[..width], test[..width]);
+    // The weighted fits (through o_proj, and through the queries for keys)
+    // run and keep the budget.
+    for tensor in [KltTensor::Values, KltTensor::Keys] {
+        let w = fit(
+            3.0,
+            KltOptions {
+                tensor,
+                per_layer: true,
+                ..KltOptions::default()
+            },
+        );
+        assert_eq!(w.effective_bits(), 3.0 + 16.0 / hd as f64);
+        assert!(mse(&coded(&w, 0), &test).is_finite());
+    }
+    // Refusals: shapes, non-finite values, budgets.
+    let mut short = test.clone();
+    assert!(k2
+        .round_trip(0, 0, &mut short[..width * 3 + 1], 3, n_kv, hd)
+        .is_err());
+    assert!(k2
+        .round_trip(c.n_layers, 0, &mut short, 64, n_kv, hd)
+        .is_err());
+    short[7] = f32::NAN;
+    assert!(k2.round_trip(0, 0, &mut short, 64, n_kv, hd).is_err());
+    for bad in [-1.0, 9.0, f64::NAN] {
+        assert!(KltCode::fit(
+            &m,
+            std::slice::from_ref(&cap),
+            KltOptions {
+                code_bits: bad,
+                ..plain
+            }
+        )
+        .is_err());
+    }
 }

@@ -42,6 +42,10 @@ pub struct FitOptions {
     /// One budget for the whole layer, spent across its heads, instead of
     /// one per head.
     pub per_layer: bool,
+    /// One budget for the whole model, spent across its layers and heads
+    /// (the errors weighed are the scores', in the same units in every
+    /// layer); overrides `per_layer`.
+    pub global: bool,
     /// Positions kept exact ([`ChannelBits::with_sinks`]): the fit leaves
     /// their rows out and the widths keep them.
     pub sinks: usize,
@@ -61,6 +65,7 @@ impl Default for FitOptions {
             block: 64,
             pairs: false,
             per_layer: false,
+            global: false,
             sinks: 0,
             trellis: false,
             by_error: false,
@@ -237,8 +242,9 @@ impl ChannelBits {
             TRELLIS_MAX_BITS
         };
         let in_trellis = |b: u8| !trellis.is_empty() && (1..=tried).contains(&b);
-        let mut bits = Vec::with_capacity(cfg.n_layers);
-        let mut coded = Vec::new();
+        // Per layer: each channel's query energy, its error at every
+        // width and whether each width is in the trellis.
+        let mut fitted = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             // Query energy per channel of each KV head, pairs pooled.
             let mut energy = vec![0f64; width];
@@ -299,41 +305,66 @@ impl ChannelBits {
                     }
                 }
             }
-            // The units that share a width: a channel, or a rotary pair.
-            let units = |h: usize| -> Vec<Vec<usize>> {
-                (0..hd)
-                    .filter_map(|c| {
-                        let p = partner(c, cfg.rope_style, rope_dim);
-                        match (opts.pairs, p) {
-                            (true, p) if p < c => None,
-                            (true, p) if p != c => Some(vec![h * hd + c, h * hd + p]),
-                            _ => Some(vec![h * hd + c]),
+            fitted.push((a, d, on));
+        }
+        // The units that share a width: a channel, or a rotary pair, of
+        // head `h`, numbered from `base`.
+        let units = |h: usize, base: usize| -> Vec<Vec<usize>> {
+            (0..hd)
+                .filter_map(|c| {
+                    let p = partner(c, cfg.rope_style, rope_dim);
+                    match (opts.pairs, p) {
+                        (true, p) if p < c => None,
+                        (true, p) if p != c => Some(vec![base + h * hd + c, base + h * hd + p]),
+                        _ => Some(vec![base + h * hd + c]),
+                    }
+                })
+                .collect()
+        };
+        let per_head = (code_bits * hd as f64).round() as usize;
+        let bits: Vec<Vec<u8>> = if opts.global {
+            let all: Vec<Vec<usize>> = (0..cfg.n_layers)
+                .flat_map(|l| (0..n_kv).flat_map(move |h| units(h, l * width)))
+                .collect();
+            let a: Vec<f64> = fitted.iter().flat_map(|f| f.0.iter().copied()).collect();
+            let d: Vec<[f64; MAX_BITS as usize + 1]> =
+                fitted.iter().flat_map(|f| f.1.iter().copied()).collect();
+            greedy(&all, &a, &d, per_head * n_kv * cfg.n_layers)
+                .chunks(width)
+                .map(<[u8]>::to_vec)
+                .collect()
+        } else {
+            fitted
+                .iter()
+                .map(|(a, d, _)| {
+                    if opts.per_layer {
+                        let all: Vec<Vec<usize>> = (0..n_kv).flat_map(|h| units(h, 0)).collect();
+                        greedy(&all, a, d, per_head * n_kv)
+                    } else {
+                        let mut lb = vec![0u8; width];
+                        for h in 0..n_kv {
+                            let w = greedy(&units(h, 0), a, d, per_head);
+                            let r = h * hd..(h + 1) * hd;
+                            lb[r.clone()].copy_from_slice(&w[r]);
                         }
-                    })
-                    .collect()
-            };
-            let lb = if opts.per_layer {
-                let all: Vec<Vec<usize>> = (0..n_kv).flat_map(units).collect();
-                greedy(&all, &a, &d, (code_bits * width as f64).round() as usize)
-            } else {
-                let mut lb = vec![0u8; width];
-                for h in 0..n_kv {
-                    let w = greedy(&units(h), &a, &d, (code_bits * hd as f64).round() as usize);
-                    let r = h * hd..(h + 1) * hd;
-                    lb[r.clone()].copy_from_slice(&w[r]);
-                }
-                lb
-            };
-            if !trellis.is_empty() {
-                coded.push(
+                        lb
+                    }
+                })
+                .collect()
+        };
+        let coded = if trellis.is_empty() {
+            Vec::new()
+        } else {
+            bits.iter()
+                .zip(&fitted)
+                .map(|(lb, (_, _, on))| {
                     lb.iter()
                         .enumerate()
                         .map(|(c, &b)| on[c][usize::from(b)])
-                        .collect(),
-                );
-            }
-            bits.push(lb);
-        }
+                        .collect()
+                })
+                .collect()
+        };
         Ok(ChannelBits {
             block,
             n_kv_heads: n_kv,

@@ -23,6 +23,7 @@ pub mod capture;
 #[cfg(feature = "engine")]
 pub mod engine;
 pub mod gguf;
+pub mod klt;
 pub mod kvq_store;
 pub mod model;
 pub mod ppl;

@@ -65,7 +65,7 @@ fn gaussian(s: &mut u64) -> f64 {
 
 /// The standard normal quantile (Acklam's rational approximation, relative
 /// error below 1.2e-9).
-fn normal_quantile(p: f64) -> f64 {
+pub(crate) fn normal_quantile(p: f64) -> f64 {
     const A: [f64; 6] = [
         -3.969_683_028_665_376e1,
         2.209_460_984_245_205e2,

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example sweep -- [--model smollm2|gemma|PATH]
-//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit|outliers|alloc|trellis]
+//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit|outliers|alloc|trellis|klt]
 //!     [--full] [--budgets B,B] [--calib austen|code|PATH]
 //!     [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
@@ -25,10 +25,11 @@
 //! of `--budgets`: its per-layer allocation and its best single pair),
 //! `fit` (codebooks fitted per layer to a held-out window, against the
 //! Lloyd-Max tables they start from), `alloc` (a study: key channels at
-//! widths fitted by query energy, against one width, [`crate::alloc`]) and
+//! widths fitted by query energy, against one width, [`crate::alloc`]),
 //! `trellis` (a study: values in a trellis code against rotated Lloyd-Max
 //! levels of the same bits, and key channels in it against the grid,
-//! [`crate::trellis`]).
+//! [`crate::trellis`]) and `klt` (a study: values and keys in a basis
+//! fitted per head at per-channel widths, [`crate::klt`]).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
 //! (pip + apt, checked by sha256). For every domain and configuration it
@@ -56,6 +57,7 @@ use serde::Serialize;
 
 use crate::alloc::{ChannelBits, FitOptions};
 use crate::capture::{Capture, LayerCapture};
+use crate::klt::{KltCode, KltOptions, KltTensor};
 use crate::kvq_store::{CacheSpec, CodecRoundTrip, KvqStore};
 use crate::model::RoundTrip;
 use crate::model::{Hooks, Model, QuantPoint};
@@ -224,6 +226,11 @@ pub enum GridKind {
     /// the same code along their tokens against the grid, and the two at
     /// 3.0 effective bits ([`trellis_grid`]).
     Trellis,
+    /// A study of values and keys coded in a basis fitted per layer and
+    /// KV head ([`crate::klt`]: principal axes weighted by where the error
+    /// lands, per-channel widths) against rotated Lloyd-Max and trellis
+    /// values, and trellis key widths, at the same bits ([`klt_grid`]).
+    Klt,
 }
 
 impl std::str::FromStr for GridKind {
@@ -244,9 +251,10 @@ impl std::str::FromStr for GridKind {
             "outliers" => Ok(GridKind::Outliers),
             "alloc" => Ok(GridKind::Alloc),
             "trellis" => Ok(GridKind::Trellis),
+            "klt" => Ok(GridKind::Klt),
             _ => Err(format!(
                 "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope, \
-                 budget, rotation, plan, fit, outliers, alloc, trellis)"
+                 budget, rotation, plan, fit, outliers, alloc, trellis, klt)"
             )),
         }
     }
@@ -271,10 +279,12 @@ pub struct Config {
     /// ([`crate::alloc`]) in place of any key codec: the cache keeps them
     /// exact.
     pub key_bits: Option<std::sync::Arc<ChannelBits>>,
-    /// Values round-tripped at `v_proj` through a trellis code
-    /// ([`crate::trellis`]) in place of any value codec: the cache keeps
-    /// them exact.
-    pub value_code: Option<std::sync::Arc<TrellisCode>>,
+    /// Keys round-tripped after RoPE in a fitted basis ([`crate::klt`])
+    /// in place of any key codec: the cache keeps them exact.
+    pub key_klt: Option<std::sync::Arc<KltCode>>,
+    /// Values round-tripped at `v_proj` ([`ValueHook`]) in place of any
+    /// value codec: the cache keeps them exact.
+    pub value_code: Option<ValueHook>,
 }
 
 impl Config {
@@ -287,6 +297,7 @@ impl Config {
             key_point: QuantPoint::AfterRope,
             layers: None,
             key_bits: None,
+            key_klt: None,
             value_code: None,
         }
     }
@@ -295,6 +306,7 @@ impl Config {
     pub fn is_baseline(&self) -> bool {
         self.layers.is_none()
             && self.key_bits.is_none()
+            && self.key_klt.is_none()
             && self.value_code.is_none()
             && self.spec.keys.is_none()
             && self.spec.values.is_none()
@@ -325,6 +337,7 @@ impl Config {
                     .key_bits
                     .as_ref()
                     .map_or(eb(k), |a| a.effective_bits(l));
+                let kb = self.key_klt.as_ref().map_or(kb, |k| k.effective_bits());
                 let vb = self
                     .value_code
                     .as_ref()
@@ -346,6 +359,12 @@ impl Config {
     /// The cache the store holds and the key round trip the model applies
     /// (keys quantized outside the cache, at the point the hook names).
     pub fn store_and_hook(&self) -> (CacheSpec, Option<(QuantPoint, KeyHook)>) {
+        if let Some(k) = &self.key_klt {
+            return (
+                self.spec,
+                Some((QuantPoint::AfterRope, KeyHook::Klt(k.clone()))),
+            );
+        }
         if let Some(bits) = &self.key_bits {
             return (
                 self.spec,
@@ -373,6 +392,8 @@ pub enum KeyHook {
     Codec(CodecRoundTrip),
     /// Key channels at their own widths ([`crate::alloc`]).
     Widths(std::sync::Arc<ChannelBits>),
+    /// Keys after RoPE in a fitted basis ([`crate::klt`]).
+    Klt(std::sync::Arc<KltCode>),
 }
 
 impl RoundTrip for KeyHook {
@@ -388,6 +409,45 @@ impl RoundTrip for KeyHook {
         let rt: &dyn RoundTrip = match self {
             KeyHook::Codec(c) => c,
             KeyHook::Widths(w) => w.as_ref(),
+            KeyHook::Klt(k) => k.as_ref(),
+        };
+        rt.round_trip(layer, pos0, x, n_tokens, n_kv_heads, head_dim)
+    }
+}
+
+/// The round trip a configuration applies to values at `v_proj`: a trellis
+/// code's or a fitted transform's.
+#[derive(Debug, Clone)]
+pub enum ValueHook {
+    /// A bitshift trellis code ([`crate::trellis`]).
+    Trellis(std::sync::Arc<TrellisCode>),
+    /// A fitted basis at per-channel widths ([`crate::klt`]).
+    Klt(std::sync::Arc<KltCode>),
+}
+
+impl ValueHook {
+    /// Mean bits per stored value at `head_dim`.
+    pub fn effective_bits(&self, head_dim: usize) -> f64 {
+        match self {
+            ValueHook::Trellis(t) => t.effective_bits(head_dim),
+            ValueHook::Klt(k) => k.effective_bits(),
+        }
+    }
+}
+
+impl RoundTrip for ValueHook {
+    fn round_trip(
+        &self,
+        layer: usize,
+        pos0: usize,
+        x: &mut [f32],
+        n_tokens: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<(), String> {
+        let rt: &dyn RoundTrip = match self {
+            ValueHook::Trellis(t) => t.as_ref(),
+            ValueHook::Klt(k) => k.as_ref(),
         };
         rt.round_trip(layer, pos0, x, n_tokens, n_kv_heads, head_dim)
     }
@@ -444,7 +504,9 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
     match kind {
         GridKind::Default => {}
         // Planned or fitted in `run`, which has the model to calibrate on.
-        GridKind::Plan | GridKind::Fit | GridKind::Alloc | GridKind::Trellis => return g,
+        GridKind::Plan | GridKind::Fit | GridKind::Alloc | GridKind::Trellis | GridKind::Klt => {
+            return g
+        }
         GridKind::Rotation => {
             let (g32, g64) = (Group::Size(32), Group::Size(64));
             let mut plain = Vec::new();
@@ -991,6 +1053,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         GridKind::Fit => configs.extend(fit_grid(&model, &tok, &args, &opts)?),
         GridKind::Alloc => configs.extend(alloc_grid(&model, &tok, &args, &opts)?),
         GridKind::Trellis => configs.extend(trellis_grid(&model, &tok, &args, &opts)?),
+        GridKind::Klt => configs.extend(klt_grid(&model, &tok, &args, &opts)?),
         _ => {}
     }
     if let Some(only) = &args.only {
@@ -1030,7 +1093,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
             let mut store = c.store(&model.cfg, store_spec)?;
             let mut hooks = Hooks {
                 k: hook.as_ref().map(|(p, rt)| (*p, rt as &dyn RoundTrip)),
-                v: c.value_code.as_deref().map(|t| t as &dyn RoundTrip),
+                v: c.value_code.as_ref().map(|t| t as &dyn RoundTrip),
                 ..Hooks::default()
             };
             let t = Instant::now();
@@ -1072,6 +1135,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
                     None if c.spec.pre_rope => attention_kl_pre_rope(&cap, c, &model)?,
                     None => attention_kl(&cap, c)?,
                     Some(QuantPoint::AfterKNorm) => attention_kl_pre_rope(&cap, c, &model)?,
+                    Some(QuantPoint::AfterRope) => attention_kl_hooked(&cap, c)?,
                     Some(_) => f64::NAN,
                 },
                 kl_mean: klr.mean,
@@ -1248,6 +1312,26 @@ pub fn attention_kl_pre_rope(cap: &Capture, c: &Config, model: &Model) -> Result
         };
         model.apply_rope(&mut k, n_kv * hd, cap.pos0, li);
         Ok(k)
+    })
+}
+
+/// [`attention_kl`] with the keys through the configuration's round trip
+/// after RoPE ([`Config::store_and_hook`]).
+pub fn attention_kl_hooked(cap: &Capture, c: &Config) -> Result<f64, BoxError> {
+    let (n_kv, hd) = (cap.n_kv_heads, cap.head_dim);
+    let hook = c.store_and_hook().1;
+    attention_kl_with(cap, c, |li, l, k| match &hook {
+        Some((QuantPoint::AfterRope, rt)) => {
+            let mut k = l.k.clone();
+            let t = k.len() / (n_kv * hd);
+            rt.round_trip(li, cap.pos0, &mut k, t, n_kv, hd)
+                .map_err(|what| kvq::Error::InvalidConfig {
+                    op: "key round trip",
+                    what,
+                })?;
+            Ok(k)
+        }
+        _ => hat(&l.k, k, n_kv, hd),
     })
 }
 
@@ -1908,7 +1992,7 @@ pub fn trellis_grid(
     let cached = |name, k, v| study_config(name, spec, cfg.n_layers, k, Some(v));
     let coded = |name: String, k: Option<Arc<ChannelBits>>, v: Arc<TrellisCode>| Config {
         key_bits: k,
-        value_code: Some(v),
+        value_code: Some(ValueHook::Trellis(v)),
         ..Config::new(name, spec)
     };
     let mut out = Vec::new();
@@ -1985,6 +2069,32 @@ pub fn trellis_grid(
         Some(t35),
         trellis(8, 2, g)?,
     ));
+    // One budget for the whole model: the score errors the widths weigh
+    // are in the same units in every layer.
+    let global = |bits: f64| {
+        let o = FitOptions {
+            block: 128,
+            pairs: true,
+            sinks: args.sinks,
+            trellis: true,
+            global: true,
+            ..FitOptions::default()
+        };
+        ChannelBits::fit_with(cfg, &caps, bits, o).map(Arc::new)
+    };
+    let g25 = global(2.5)?;
+    eprintln!(
+        "K2.5 by pair·T, one budget: key bits by layer {:?}",
+        (0..cfg.n_layers)
+            .map(|l| format!("{:.2}", g25.effective_bits(l)))
+            .collect::<Vec<_>>()
+    );
+    out.push(keys_only("K2.5 pc128 by pair·T global".into(), g25.clone()));
+    out.push(coded(
+        format!("K2.5 pc128 by pair·T global / V trellis3 L8 g{g}"),
+        Some(g25),
+        trellis(8, 3, g)?,
+    ));
     // Each channel in the trellis or the grid, by its calibration error.
     let e25 = widths_with(2.5, true, true)?;
     eprintln!(
@@ -1999,5 +2109,145 @@ pub fn trellis_grid(
         trellis(8, 3, g)?,
     ));
     eprintln!("trellis grid built in {:.1}s", t.elapsed().as_secs_f64());
+    Ok(out)
+}
+
+/// [`GridKind::Klt`]: values in a basis fitted on the held-out windows of
+/// `args.calib` ([`KltCode`]), against rotated Lloyd-Max values in the
+/// cache and trellis values at the same bits (keys exact); keys after RoPE
+/// in a basis weighted by the queries against key widths by rotary pair in
+/// a trellis code (values exact).
+pub fn klt_grid(
+    model: &Model,
+    tok: &crate::tokenizer::Tokenizer,
+    args: &Args,
+    opts: &PplOptions,
+) -> Result<Vec<Config>, BoxError> {
+    use std::sync::Arc;
+    let t = Instant::now();
+    let (caps, spec) = study_setup(model, tok, args, opts)?;
+    let cfg = &model.cfg;
+    let hd = cfg.head_dim;
+    let g = 64.min(hd);
+    // The per-token scale's share of a row.
+    let scale_bits = 16.0 / hd as f64;
+    let klt = |code_bits: f64, o: KltOptions| -> Result<Arc<KltCode>, BoxError> {
+        let k = KltCode::fit(
+            model,
+            &caps,
+            KltOptions {
+                code_bits,
+                sinks: args.sinks,
+                ..o
+            },
+        )?;
+        eprintln!(
+            "{:?} transform {code_bits} code bits ({}weighted{}{}): widths 0..=8 {:?}, \
+             coding gain {:.2} bits",
+            o.tensor,
+            if o.weighted { "" } else { "un" },
+            if o.per_layer { ", per layer" } else { "" },
+            if o.token_scale {
+                ""
+            } else {
+                ", no token scale"
+            },
+            k.histogram(),
+            k.coding_gain()
+        );
+        Ok(Arc::new(k))
+    };
+    let base = KltOptions::default();
+    let values = |name: String, v: ValueHook| Config {
+        value_code: Some(v),
+        ..Config::new(name, spec)
+    };
+    let mut out = Vec::new();
+    for k in [2u8, 3] {
+        let kb = f64::from(k);
+        out.push(study_config(
+            format!("V H·gauss{k} pt{g}"),
+            spec,
+            cfg.n_layers,
+            None,
+            Some(gauss(k, g)),
+        ));
+        out.push(values(
+            format!("V trellis{k} L8 g{g}"),
+            ValueHook::Trellis(Arc::new(
+                TrellisCode::gaussian(8, k.into(), g)?.with_sinks(args.sinks),
+            )),
+        ));
+        let variants = [
+            (format!("V klt·o{k}"), kb, base),
+            (
+                format!("V pca{k}"),
+                kb,
+                KltOptions {
+                    weighted: false,
+                    ..base
+                },
+            ),
+            (
+                format!("V klt·o{k} per layer"),
+                kb,
+                KltOptions {
+                    per_layer: true,
+                    ..base
+                },
+            ),
+            // No per-token scale: its bits go to the codes.
+            (
+                format!("V klt·o{k} static"),
+                kb + scale_bits,
+                KltOptions {
+                    token_scale: false,
+                    ..base
+                },
+            ),
+        ];
+        for (name, bits, o) in variants {
+            out.push(values(name, ValueHook::Klt(klt(bits, o)?)));
+        }
+    }
+    // Keys after RoPE in a basis weighted by the queries (or not).
+    let kopt = KltOptions {
+        tensor: KltTensor::Keys,
+        ..base
+    };
+    let keys = |name: String, k: Arc<KltCode>| Config {
+        key_klt: Some(k),
+        ..Config::new(name, spec)
+    };
+    for kb in [2.0, 2.5, 3.0] {
+        out.push(keys(format!("K klt·q{kb}"), klt(kb, kopt)?));
+    }
+    out.push(keys(
+        "K pca2.5".into(),
+        klt(
+            2.5,
+            KltOptions {
+                weighted: false,
+                ..kopt
+            },
+        )?,
+    ));
+    // The best per-channel keys at the same bits: widths by rotary pair
+    // in a trellis code along blocks of 128 tokens (0.25 bit of params).
+    let o = FitOptions {
+        block: 128,
+        pairs: true,
+        sinks: args.sinks,
+        trellis: true,
+        ..FitOptions::default()
+    };
+    out.push(study_config(
+        "K2.5 pc128 by pair·T".into(),
+        spec,
+        cfg.n_layers,
+        Some(Arc::new(ChannelBits::fit_with(cfg, &caps, 2.5, o)?)),
+        None,
+    ));
+    eprintln!("transform grid built in {:.1}s", t.elapsed().as_secs_f64());
     Ok(out)
 }
