@@ -2051,26 +2051,30 @@ fn transform_codes_fit_widths_and_round_trip() {
         d_model: 64,
         ..tiny_config(RopeStyle::Halves)
     };
-    let m = Model::random(cfg, 14, false);
-    let c = &m.cfg;
+    // Post-attention norms, so the value weights take their γ.
+    let mut m = Model::random_with_norms(cfg, 14, false, true);
+    let c = m.cfg.clone();
     let (n_kv, hd, n_q) = (c.n_kv_heads, c.head_dim, c.n_heads);
-    let width = n_kv * hd;
+    let (width, group) = (n_kv * hd, n_q / n_kv);
+    // An o_proj that reads the head's channels very unequally.
+    for lw in &mut m.layers {
+        for mut row in lw.wo.outer_iter_mut() {
+            for (j, w) in row.iter_mut().enumerate() {
+                *w *= 4f32.powf(-((j % hd) as f32) / 4.0);
+            }
+        }
+    }
     // Values of very unequal principal variances (2^-i on channel i of a
-    // random basis), where transform coding has the most to gain.
+    // random basis), where transform coding has the most to gain; queries
+    // of unequal energy along the channels.
     let t = 400;
     let mut rng = kvq_eval::model::SplitMix64(5);
-    let mut gauss = move || {
-        // `uniform` is in [-1, 1).
-        let u = ((f64::from(rng.uniform()) + 1.0) / 2.0).max(1e-12);
-        let v = f64::from(rng.uniform());
-        ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
-    };
-    let basis: Vec<f32> = (0..hd * hd).map(|_| gauss()).collect();
+    let basis: Vec<f32> = (0..hd * hd).map(|_| rng.gaussian()).collect();
     let mut rows = |n: usize| -> Vec<f32> {
         (0..n * n_kv)
             .flat_map(|_| {
                 let z: Vec<f32> = (0..hd)
-                    .map(|i| gauss() * 2f32.powf(-(i as f32) / 2.0))
+                    .map(|i| rng.gaussian() * 2f32.powf(-(i as f32) / 2.0))
                     .collect();
                 (0..hd)
                     .map(|r| (0..hd).map(|i| basis[r * hd + i] * z[i]).sum::<f32>())
@@ -2078,8 +2082,12 @@ fn transform_codes_fit_widths_and_round_trip() {
             })
             .collect()
     };
+    let mut qrng = kvq_eval::model::SplitMix64(6);
+    let q: Vec<f32> = (0..t * n_q * hd)
+        .map(|i| qrng.gaussian() * 3f32.powf(-(((i % hd) as f32) / 3.0)))
+        .collect();
     let layer = |v: Vec<f32>| LayerCapture {
-        q: vec![0.5; v.len() / width * n_q * hd],
+        q: q.clone(),
         k: v.clone(),
         v,
         k_pre_rope: Vec::new(),
@@ -2104,23 +2112,23 @@ fn transform_codes_fit_widths_and_round_trip() {
         weighted: false,
         ..KltOptions::default()
     };
-    let fit = |bits: f64, o: KltOptions| {
+    let fit_on = |caps: &[Capture], bits: f64, o: KltOptions| {
         KltCode::fit(
             &m,
-            std::slice::from_ref(&cap),
+            caps,
             KltOptions {
                 code_bits: bits,
                 ..o
             },
         )
-        .unwrap()
     };
+    let fit = |bits: f64, o: KltOptions| fit_on(std::slice::from_ref(&cap), bits, o).unwrap();
     let coded = |k: &KltCode, pos0: usize| {
         let mut x = test.clone();
         k.round_trip(0, pos0, &mut x, 64, n_kv, hd).unwrap();
         x
     };
-    // More bits, less error; all of it at 8 bits a channel.
+    // More bits, less error; almost none at 8 bits a channel.
     let errs: Vec<f64> = [1.0, 2.0, 3.0, 4.0, 8.0]
         .iter()
         .map(|&b| mse(&coded(&fit(b, plain), 0), &test))
@@ -2149,21 +2157,75 @@ fn transform_codes_fit_widths_and_round_trip() {
     assert_eq!(x[..4 * width], test[..4 * width]);
     assert_ne!(x[4 * width..5 * width], test[4 * width..5 * width]);
     assert_ne!(coded(&sunk, 4)[..width], test[..width]);
-    // The weighted fits (through o_proj, and through the queries for keys)
-    // run and keep the budget.
-    for tensor in [KltTensor::Values, KltTensor::Keys] {
-        let w = fit(
-            3.0,
+    // Weighted fits beat the plain axes where their error lands: values
+    // through o_proj (and the post-attention norm's γ), keys through the
+    // queries.
+    let lw = &m.layers[0];
+    let gamma = lw.post_attn_norm.clone().unwrap();
+    let out_err = |x: &[f32]| -> f64 {
+        let mut e = 0.0;
+        for (row, orig) in x.chunks_exact(width).zip(test.chunks_exact(width)) {
+            for h in 0..n_kv {
+                let dv: Vec<f32> = (0..hd)
+                    .map(|i| row[h * hd + i] - orig[h * hd + i])
+                    .collect();
+                for qh in h * group..(h + 1) * group {
+                    for (r, w) in lw.wo.outer_iter().enumerate() {
+                        let o: f32 = (0..hd).map(|i| w[qh * hd + i] * dv[i]).sum();
+                        e += f64::from(gamma[r] * o).powi(2);
+                    }
+                }
+            }
+        }
+        e
+    };
+    let score_err = |x: &[f32]| -> f64 {
+        let mut e = 0.0;
+        for (row, orig) in x.chunks_exact(width).zip(test.chunks_exact(width)) {
+            for qrow in q.chunks_exact(n_q * hd).take(50) {
+                for qh in 0..n_q {
+                    let h = qh / group;
+                    let d: f32 = (0..hd)
+                        .map(|i| qrow[qh * hd + i] * (row[h * hd + i] - orig[h * hd + i]))
+                        .sum();
+                    e += f64::from(d).powi(2);
+                }
+            }
+        }
+        e
+    };
+    for bits in [2.0, 3.0] {
+        let (w, p) = (fit(bits, KltOptions::default()), fit(bits, plain));
+        let (ew, ep) = (out_err(&coded(&w, 0)), out_err(&coded(&p, 0)));
+        assert!(
+            ew < 0.8 * ep,
+            "values, {bits} bits: {ew} against plain {ep}"
+        );
+        let keys = KltOptions {
+            tensor: KltTensor::Keys,
+            ..KltOptions::default()
+        };
+        let wk = fit(bits, keys);
+        let pk = fit(
+            bits,
             KltOptions {
-                tensor,
-                per_layer: true,
-                ..KltOptions::default()
+                weighted: false,
+                ..keys
             },
         );
-        assert_eq!(w.effective_bits(), 3.0 + 16.0 / hd as f64);
-        assert!(mse(&coded(&w, 0), &test).is_finite());
+        let (ew, ep) = (score_err(&coded(&wk, 0)), score_err(&coded(&pk, 0)));
+        assert!(ew < 0.8 * ep, "keys, {bits} bits: {ew} against plain {ep}");
     }
-    // Refusals: shapes, non-finite values, budgets.
+    // One budget per layer keeps the layer's total.
+    let pooled = fit(
+        3.0,
+        KltOptions {
+            per_layer: true,
+            ..KltOptions::default()
+        },
+    );
+    assert_eq!(pooled.effective_bits(), 3.0 + 16.0 / hd as f64);
+    // Refusals: shapes, non-finite values, budgets, calibration data.
     let mut short = test.clone();
     assert!(k2
         .round_trip(0, 0, &mut short[..width * 3 + 1], 3, n_kv, hd)
@@ -2171,17 +2233,38 @@ fn transform_codes_fit_widths_and_round_trip() {
     assert!(k2
         .round_trip(c.n_layers, 0, &mut short, 64, n_kv, hd)
         .is_err());
+    assert!(k2
+        .round_trip(usize::MAX, 0, &mut short, 64, n_kv, hd)
+        .is_err());
     short[7] = f32::NAN;
     assert!(k2.round_trip(0, 0, &mut short, 64, n_kv, hd).is_err());
+    let single = std::slice::from_ref(&cap);
     for bad in [-1.0, 9.0, f64::NAN] {
-        assert!(KltCode::fit(
-            &m,
-            std::slice::from_ref(&cap),
-            KltOptions {
-                code_bits: bad,
-                ..plain
-            }
-        )
-        .is_err());
+        assert!(fit_on(single, bad, plain).is_err());
     }
+    assert!(fit_on(&[], 2.0, plain).is_err());
+    let edit = |f: &dyn Fn(&mut Capture)| {
+        let mut x = cap.clone();
+        f(&mut x);
+        x
+    };
+    let few = edit(&|x| {
+        x.tokens.truncate(20);
+        for l in &mut x.layers {
+            l.q.truncate(20 * n_q * hd);
+            l.k.truncate(20 * width);
+            l.v.truncate(20 * width);
+        }
+    });
+    assert!(fit_on(std::slice::from_ref(&few), 2.0, plain).is_err());
+    let ragged = edit(&|x| x.layers[1].v.truncate(width * 10));
+    assert!(fit_on(std::slice::from_ref(&ragged), 2.0, plain).is_err());
+    let nan = edit(&|x| x.layers[0].v[3] = f32::INFINITY);
+    assert!(fit_on(std::slice::from_ref(&nan), 2.0, plain).is_err());
+    let silent = edit(&|x| x.layers.iter_mut().for_each(|l| l.q.fill(0.0)));
+    let keys = KltOptions {
+        tensor: KltTensor::Keys,
+        ..KltOptions::default()
+    };
+    assert!(fit_on(std::slice::from_ref(&silent), 2.0, keys).is_err());
 }

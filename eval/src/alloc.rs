@@ -28,7 +28,7 @@ use crate::trellis::TrellisCode;
 use kvq::{Axis, Codec, Group, QuantScheme};
 
 /// Widest channel the greedy hands out.
-const MAX_BITS: u8 = 8;
+pub(crate) const MAX_BITS: u8 = 8;
 
 /// How [`ChannelBits::fit_with`] hands out the widths.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -321,7 +321,8 @@ impl ChannelBits {
                 })
                 .collect()
         };
-        let per_head = (code_bits * hd as f64).round() as usize;
+        // Each scope's budget, rounded once.
+        let budget = |channels: usize| (code_bits * channels as f64).round() as usize;
         let bits: Vec<Vec<u8>> = if opts.global {
             let all: Vec<Vec<usize>> = (0..cfg.n_layers)
                 .flat_map(|l| (0..n_kv).flat_map(move |h| units(h, l * width)))
@@ -329,7 +330,7 @@ impl ChannelBits {
             let a: Vec<f64> = fitted.iter().flat_map(|f| f.0.iter().copied()).collect();
             let d: Vec<[f64; MAX_BITS as usize + 1]> =
                 fitted.iter().flat_map(|f| f.1.iter().copied()).collect();
-            greedy(&all, &a, &d, per_head * n_kv * cfg.n_layers)
+            greedy(&all, &a, &d, budget(width * cfg.n_layers))
                 .chunks(width)
                 .map(<[u8]>::to_vec)
                 .collect()
@@ -339,11 +340,11 @@ impl ChannelBits {
                 .map(|(a, d, _)| {
                     if opts.per_layer {
                         let all: Vec<Vec<usize>> = (0..n_kv).flat_map(|h| units(h, 0)).collect();
-                        greedy(&all, a, d, per_head * n_kv)
+                        greedy(&all, a, d, budget(width))
                     } else {
                         let mut lb = vec![0u8; width];
                         for h in 0..n_kv {
-                            let w = greedy(&units(h, 0), a, d, per_head);
+                            let w = greedy(&units(h, 0), a, d, budget(hd));
                             let r = h * hd..(h + 1) * hd;
                             lb[r.clone()].copy_from_slice(&w[r]);
                         }
@@ -458,7 +459,7 @@ impl ChannelBits {
 /// `d` that share a width): at each step the jump of one to three bits
 /// with the largest drop of `Σ a·D` per bit spent. Returns each channel's
 /// width.
-fn greedy(
+pub(crate) fn greedy(
     units: &[Vec<usize>],
     a: &[f64],
     d: &[[f64; MAX_BITS as usize + 1]],
@@ -661,11 +662,7 @@ mod tests {
         let (t, n_kv, hd) = (96, 1, 8);
         let mut r = crate::model::SplitMix64(5);
         let x: Vec<f32> = (0..t * n_kv * hd)
-            .map(|i| {
-                let (u, v) = (((r.uniform() + 1.0) / 2.0).max(1e-9), r.uniform());
-                let g = (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos();
-                g * (1.0 + (i % hd) as f32) + 3.0
-            })
+            .map(|i| r.gaussian() * (1.0 + (i % hd) as f32) + 3.0)
             .collect();
         let widths: Vec<u8> = vec![0, 1, 2, 3, 4, 6, 2, 2];
         let grid = one_layer(&widths, n_kv, hd);

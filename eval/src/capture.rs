@@ -177,7 +177,8 @@ impl Capture {
                 .all(|l| l.k_pre_rope.len() == l.k.len() && !l.k.is_empty())
     }
 
-    fn check(&self) -> Result<(), CaptureError> {
+    /// Every layer's tensors hold `n_tokens` rows of their width.
+    pub(crate) fn check(&self) -> Result<(), CaptureError> {
         let t = self.n_tokens();
         let (nq, nkv) = (
             t * self.n_q_heads * self.head_dim,

@@ -1,7 +1,9 @@
-//! Values in a fitted transform basis at per-channel widths: a study of
-//! what a transform-coded value format would buy over rotated Lloyd-Max
-//! levels at the same bits, run as a quantize-dequantize [`RoundTrip`] on
-//! the values (no such format exists in `kvq`).
+//! Values (or keys) in a fitted transform basis at per-channel widths: a
+//! study of what a transform-coded format would buy over rotated Lloyd-Max
+//! values and per-channel keys at the same bits, run as a
+//! quantize-dequantize [`RoundTrip`] (no such format exists in `kvq`). On
+//! SmolLM2 it buys nothing: both lose by far (`docs/RESULTS.md`, "Values
+//! and keys in a fitted basis").
 //!
 //! A head's value error reaches the model through its slice of `o_proj`:
 //! the output error of `Δv` is `W·Δv`, whose energy is `Δvᵀ·M·Δv` with
@@ -13,7 +15,9 @@
 //! (`ε` the Lloyd-Max error of a unit Gaussian). Bits go greedily where
 //! they cut the most error (reverse water-filling), so weak directions get
 //! none and are replaced by their mean. Without the weighting (`M = I`)
-//! the transform is the values' principal axes.
+//! the transform is the values' principal axes. Keys take the same code
+//! after RoPE with `M = E[q·qᵀ]` over the query heads that read them (the
+//! score error's energy).
 //!
 //! The sorted variances make the widths non-increasing along `y`: a row is
 //! a few runs of one width each. Each row is coded as `y_i − μ_i` over
@@ -29,8 +33,8 @@ use crate::model::{Model, RoundTrip};
 use half::f16;
 use std::sync::OnceLock;
 
-/// Widest channel.
-pub const MAX_BITS: u8 = 8;
+/// Widest channel (the width fit's).
+pub const MAX_BITS: u8 = crate::alloc::MAX_BITS;
 
 /// Which tensor a [`KltCode`] codes, and the error it weighs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,10 +94,11 @@ struct HeadCode {
     bits: Vec<u8>,
 }
 
-/// Values coded in a fitted basis at per-channel widths (see the
+/// Values or keys coded in a fitted basis at per-channel widths (see the
 /// [module docs](self)).
 #[derive(Debug, Clone)]
 pub struct KltCode {
+    n_layers: usize,
     n_kv: usize,
     hd: usize,
     /// `[layer·n_kv + head]`.
@@ -107,44 +112,83 @@ pub struct KltCode {
 fn gauss_tables() -> &'static [(Vec<f32>, f64)] {
     static TABLES: OnceLock<Vec<(Vec<f32>, f64)>> = OnceLock::new();
     TABLES.get_or_init(|| {
-        const N: usize = 1 << 16;
-        let xs: Vec<f64> = (0..N)
-            .map(|j| crate::trellis::normal_quantile((j as f64 + 0.5) / N as f64))
-            .collect();
         (1..=MAX_BITS)
             .map(|b| {
                 let n = 1usize << b;
-                // Start from the high-rate optimum (density^(1/3): N(0, 3)).
+                // Start from the high-rate optimum (density^(1/3): N(0, 3)),
+                // then Lloyd steps on the exact cell integrals.
                 let mut lv: Vec<f64> = (0..n)
                     .map(|j| {
                         3f64.sqrt() * crate::trellis::normal_quantile((j as f64 + 0.5) / n as f64)
                     })
                     .collect();
-                let mut err = 0.0;
-                for _ in 0..60 {
-                    let mut sum = vec![0f64; n];
-                    let mut cnt = vec![0usize; n];
-                    err = 0.0;
-                    let mut j = 0;
-                    for &x in &xs {
-                        while j + 1 < n && (lv[j] + lv[j + 1]) / 2.0 < x {
-                            j += 1;
-                        }
-                        sum[j] += x;
-                        cnt[j] += 1;
-                        err += (x - lv[j]) * (x - lv[j]);
-                    }
-                    err /= N as f64;
-                    for k in 0..n {
-                        if cnt[k] > 0 {
-                            lv[k] = sum[k] / cnt[k] as f64;
+                let edges = |lv: &[f64]| -> Vec<f64> {
+                    std::iter::once(f64::NEG_INFINITY)
+                        .chain(lv.windows(2).map(|w| (w[0] + w[1]) / 2.0))
+                        .chain(std::iter::once(f64::INFINITY))
+                        .collect()
+                };
+                for _ in 0..5000 {
+                    let e = edges(&lv);
+                    for (k, l) in lv.iter_mut().enumerate() {
+                        let (a, z) = (e[k], e[k + 1]);
+                        let mass = normal_cdf(z) - normal_cdf(a);
+                        if mass > 0.0 {
+                            *l = (normal_pdf(a) - normal_pdf(z)) / mass;
                         }
                     }
                 }
+                // E[(x − l)²] over each cell: ∫x²φ − 2l∫xφ + l²∫φ.
+                let e = edges(&lv);
+                let xphi = |x: f64| {
+                    if x.is_finite() {
+                        x * normal_pdf(x)
+                    } else {
+                        0.0
+                    }
+                };
+                let err = lv
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &l)| {
+                        let (a, z) = (e[k], e[k + 1]);
+                        let mass = normal_cdf(z) - normal_cdf(a);
+                        let m1 = normal_pdf(a) - normal_pdf(z);
+                        let m2 = mass + xphi(a) - xphi(z);
+                        m2 - 2.0 * l * m1 + l * l * mass
+                    })
+                    .sum();
                 (lv.iter().map(|&v| v as f32).collect(), err)
             })
             .collect()
     })
+}
+
+/// The standard normal density.
+fn normal_pdf(x: f64) -> f64 {
+    if x.is_finite() {
+        (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
+    } else {
+        0.0
+    }
+}
+
+/// The standard normal distribution function, through `erfc` (Numerical
+/// Recipes' Chebyshev fit, relative error below 1.2e-7).
+fn normal_cdf(x: f64) -> f64 {
+    let z = (-x / std::f64::consts::SQRT_2).abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.265_512_23
+        + t * (1.000_023_68
+            + t * (0.374_091_96
+                + t * (0.096_784_18
+                    + t * (-0.186_288_06
+                        + t * (0.278_868_07
+                            + t * (-1.135_203_98
+                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+    let erfc = t * poly.exp();
+    let erfc = if -x >= 0.0 { erfc } else { 2.0 - erfc };
+    0.5 * erfc
 }
 
 /// Relative error of a unit Gaussian at `b` bits (1 at 0 bits: the mean).
@@ -270,24 +314,15 @@ fn eig_fn(d: &[f64], u: &[f64], n: usize, f: impl Fn(f64) -> f64) -> Vec<f64> {
     matmul(&ud, &transpose(u, n), n)
 }
 
-/// Greedy widths: each step gives one more bit to the channel whose error
-/// falls most; `vars` are the channels' variances, `budget` their total
-/// bits.
+/// Greedy widths (reverse water-filling): each step gives one more bit to
+/// the channel whose error falls most (the first on ties); `vars` are the
+/// channels' variances, `budget` their total bits. The Gaussian errors fall
+/// convexly, so the width fit's greedy ([`crate::alloc`]) takes one bit a
+/// step here.
 fn water_fill(vars: &[f64], budget: usize) -> Vec<u8> {
-    let mut bits = vec![0u8; vars.len()];
-    for _ in 0..budget {
-        let best = (0..vars.len())
-            .filter(|&i| bits[i] < MAX_BITS)
-            .max_by(|&i, &j| {
-                let gain = |k: usize| vars[k] * (gauss_error(bits[k]) - gauss_error(bits[k] + 1));
-                gain(i).total_cmp(&gain(j))
-            });
-        match best {
-            Some(i) => bits[i] += 1,
-            None => break,
-        }
-    }
-    bits
+    let units: Vec<Vec<usize>> = (0..vars.len()).map(|c| vec![c]).collect();
+    let eps: [f64; MAX_BITS as usize + 1] = std::array::from_fn(|b| gauss_error(b as u8));
+    crate::alloc::greedy(&units, vars, &vec![eps; vars.len()], budget)
 }
 
 impl KltCode {
@@ -309,13 +344,13 @@ impl KltCode {
                     || c.layers.len() != cfg.n_layers
             })
         {
-            return Err("value transform: captures do not match the model".into());
+            return Err("transform: captures do not match the model".into());
+        }
+        for c in caps {
+            c.check().map_err(|e| format!("transform: {e}"))?;
         }
         if !(0.0..=f64::from(MAX_BITS)).contains(&opts.code_bits) {
-            return Err(format!(
-                "value transform: budget {} out of range",
-                opts.code_bits
-            ));
+            return Err(format!("transform: budget {} out of range", opts.code_bits));
         }
         let group = n_q / n_kv;
         let width = n_kv * hd;
@@ -346,9 +381,7 @@ impl KltCode {
                     }
                 }
                 if n < 2 * hd {
-                    return Err(format!(
-                        "value transform: {n} calibration rows for head_dim {hd}"
-                    ));
+                    return Err(format!("transform: {n} calibration rows for head_dim {hd}"));
                 }
                 let nf = n as f64;
                 mean.iter_mut().for_each(|m| *m /= nf);
@@ -358,7 +391,9 @@ impl KltCode {
                     }
                 }
                 // The output metric M = Σ Wᵀ·diag(γ²)·W over the head's
-                // query heads.
+                // query heads. Their cross terms are left out: each query
+                // head weighs the value errors with its own attention, so
+                // their errors in the output are taken as uncorrelated.
                 let mut m = vec![0f64; hd * hd];
                 if opts.weighted && opts.tensor == KltTensor::Keys {
                     // E[q·qᵀ] of the query heads sharing this KV head.
@@ -395,8 +430,20 @@ impl KltCode {
                         m[i * hd + i] = 1.0;
                     }
                 }
+                if !(mean.iter().chain(&cov).chain(&m)).all(|x| x.is_finite()) {
+                    return Err(format!(
+                        "transform: layer {l} head {h}: non-finite calibration data"
+                    ));
+                }
                 let (d, u) = sym_eig(m, hd);
-                let floor = d[0].max(f64::MIN_POSITIVE) * 1e-8;
+                if !(d[0] > 0.0 && d[0].is_finite()) {
+                    return Err(format!(
+                        "transform: layer {l} head {h}: the error weights have no energy"
+                    ));
+                }
+                // Directions the weights barely see are kept, not inverted
+                // to infinity.
+                let floor = d[0] * 1e-8;
                 let a = eig_fn(&d, &u, hd, |x| x.max(floor).sqrt());
                 let a_inv = eig_fn(&d, &u, hd, |x| 1.0 / x.max(floor).sqrt());
                 let cz = matmul(&matmul(&a, &cov, hd), &a, hd);
@@ -435,6 +482,7 @@ impl KltCode {
             heads.extend(layer);
         }
         Ok(KltCode {
+            n_layers: cfg.n_layers,
             n_kv,
             hd,
             heads,
@@ -505,8 +553,9 @@ impl KltCode {
                 .filter(|(_, &b)| b > 0)
                 .map(|(v, _)| v * v)
                 .sum();
-            let s = f16::from_f32((ss / coded as f32).sqrt()).to_f32();
-            if s > 0.0 && s.is_finite() {
+            // Saturated at the largest f16, which a stored scale holds.
+            let s = f16::from_f32((ss / coded as f32).sqrt().min(f16::MAX.to_f32())).to_f32();
+            if s > 0.0 {
                 s
             } else {
                 1.0
@@ -543,13 +592,10 @@ impl RoundTrip for KltCode {
         n_kv_heads: usize,
         head_dim: usize,
     ) -> Result<(), String> {
-        let width = crate::model::rows_width("value transform", x, n_tokens, n_kv_heads, head_dim)?;
-        if n_kv_heads != self.n_kv
-            || head_dim != self.hd
-            || (layer + 1) * self.n_kv > self.heads.len()
-        {
+        let width = crate::model::rows_width("transform", x, n_tokens, n_kv_heads, head_dim)?;
+        if n_kv_heads != self.n_kv || head_dim != self.hd || layer >= self.n_layers {
             return Err(format!(
-                "value transform: layer {layer} of {n_kv_heads}×{head_dim} is not the fitted shape"
+                "transform: layer {layer} of {n_kv_heads}×{head_dim} is not the fitted shape"
             ));
         }
         if x.iter().any(|v| !v.is_finite()) {
@@ -558,24 +604,14 @@ impl RoundTrip for KltCode {
         let skip = self.sinks.saturating_sub(pos0).min(n_tokens);
         let rows = &mut x[skip * width..];
         let codes = &self.heads[layer * self.n_kv..(layer + 1) * self.n_kv];
-        let half = (rows.len() / width).div_ceil(2) * width;
-        let (a, b) = rows.split_at_mut(half.min(rows.len()));
-        let run = |part: &mut [f32]| {
+        crate::model::on_two_threads(rows, width, |part| {
             let mut y = vec![0f32; head_dim];
             for row in part.chunks_exact_mut(width) {
                 for (h, head) in row.chunks_exact_mut(head_dim).enumerate() {
                     self.code_row(&codes[h], head, &mut y);
                 }
             }
-        };
-        if b.is_empty() {
-            run(a);
-        } else {
-            std::thread::scope(|sc| {
-                sc.spawn(|| run(a));
-                run(b);
-            });
-        }
+        });
         Ok(())
     }
 }
@@ -595,6 +631,20 @@ mod tests {
             );
         }
         assert!(gauss_error(8) < gauss_error(7) && gauss_error(7) < 1e-3);
+        // kvq's Lloyd-Max tables (Max's, to four digits).
+        for b in 2..=4u8 {
+            let ours = &gauss_tables()[usize::from(b) - 1].0;
+            let kvq = kvq::Levels::Gauss.table(b).unwrap();
+            for (x, y) in ours.iter().zip(kvq) {
+                assert!((x - y).abs() < 2e-4, "{b} bits: {ours:?} against {kvq:?}");
+            }
+        }
+        // Each bit buys less than the one before (the water-filling's
+        // greedy relies on it).
+        let drops: Vec<f64> = (0..MAX_BITS)
+            .map(|b| gauss_error(b) - gauss_error(b + 1))
+            .collect();
+        assert!(drops.windows(2).all(|w| w[0] > w[1]), "{drops:?}");
     }
 
     #[test]
@@ -634,5 +684,7 @@ mod tests {
         assert_eq!(b.iter().map(|&x| usize::from(x)).sum::<usize>(), 8);
         assert!(b.windows(2).all(|w| w[0] >= w[1]), "{b:?}");
         assert_eq!(b[3], 0, "{b:?}");
+        // Ties go to the first channel.
+        assert_eq!(water_fill(&[1.0, 1.0, 1.0], 4), vec![2, 1, 1]);
     }
 }

@@ -362,6 +362,22 @@ pub fn rows_width(
     Ok(width)
 }
 
+/// Run `f` over the rows of `x` (each `width` long) on two threads (the
+/// machine's cores), each half its own slice; a single row (a decode step)
+/// runs on the caller's thread alone. `f` is called once per part.
+pub fn on_two_threads(x: &mut [f32], width: usize, f: impl Fn(&mut [f32]) + Sync) {
+    let half = (x.len() / width.max(1)).div_ceil(2) * width;
+    let (a, b) = x.split_at_mut(half.min(x.len()));
+    if b.is_empty() {
+        f(a);
+    } else {
+        std::thread::scope(|sc| {
+            sc.spawn(|| f(a));
+            f(b);
+        });
+    }
+}
+
 /// A quantize-dequantize round trip applied in place.
 pub trait RoundTrip {
     /// Replace `x` (`[n_tokens, n_kv_heads*head_dim]` row-major, of layer
@@ -1072,5 +1088,12 @@ impl SplitMix64 {
     /// Uniform in `[-1, 1)`.
     pub fn uniform(&mut self) -> f32 {
         ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// A standard normal sample (Box–Muller on two [`uniform`](Self::uniform)s).
+    pub fn gaussian(&mut self) -> f32 {
+        let u = ((self.uniform() + 1.0) / 2.0).max(1e-9);
+        let v = self.uniform();
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
     }
 }

@@ -339,26 +339,15 @@ impl RoundTrip for TrellisCode {
         let rot = Hadamard::new(head_dim).map_err(|e| e.to_string())?;
         let skip = self.sinks.saturating_sub(pos0).min(n_tokens);
         let rows = &mut x[skip * width..];
-        // Two threads: the machine's cores; each head is its own chain.
-        let half = (rows.len() / width).div_ceil(2) * width;
-        let (a, b) = rows.split_at_mut(half.min(rows.len()));
-        let code = |part: &mut [f32]| {
+        // Each head is its own chain.
+        crate::model::on_two_threads(rows, width, |part| {
             let mut s = Scratch::default();
             for head in part.chunks_exact_mut(head_dim) {
                 rot.forward(head);
                 self.code_head(head, &mut s);
                 rot.inverse(head);
             }
-        };
-        // One row (a decode step) is not worth a thread.
-        if b.is_empty() {
-            code(a);
-        } else {
-            std::thread::scope(|sc| {
-                sc.spawn(|| code(a));
-                code(b);
-            });
-        }
+        });
         Ok(())
     }
 }

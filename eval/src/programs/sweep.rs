@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example sweep -- [--model smollm2|gemma|PATH]
-//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit|outliers|alloc|trellis|klt]
+//!     [--grid default|full|split|ladder|trap|codebook|prerope|budget|rotation|plan|fit|outliers|alloc|trellis|klt|widths]
 //!     [--full] [--budgets B,B] [--calib austen|code|PATH]
 //!     [--tokens N] [--window 512]
 //!     [--domains austen,code] [--path prefill|decode] [--residual R] [--sinks S]
@@ -28,8 +28,9 @@
 //! widths fitted by query energy, against one width, [`crate::alloc`]),
 //! `trellis` (a study: values in a trellis code against rotated Lloyd-Max
 //! levels of the same bits, and key channels in it against the grid,
-//! [`crate::trellis`]) and `klt` (a study: values and keys in a basis
-//! fitted per head at per-channel widths, [`crate::klt`]).
+//! [`crate::trellis`]), `widths` (trellis key widths with one budget for
+//! the model or in blocks of 256 tokens) and `klt` (a study: values and
+//! keys in a basis fitted per head at per-channel widths, [`crate::klt`]).
 //!
 //! Fetches the assets with `scripts/fetch-assets.sh` when they are missing
 //! (pip + apt, checked by sha256). For every domain and configuration it
@@ -226,6 +227,10 @@ pub enum GridKind {
     /// the same code along their tokens against the grid, and the two at
     /// 3.0 effective bits ([`trellis_grid`]).
     Trellis,
+    /// Key widths by rotary pair in a trellis code with one budget for the
+    /// whole model, or in blocks of 256 tokens, alone and beside trellis
+    /// values ([`widths_grid`]).
+    Widths,
     /// A study of values and keys coded in a basis fitted per layer and
     /// KV head ([`crate::klt`]: principal axes weighted by where the error
     /// lands, per-channel widths) against rotated Lloyd-Max and trellis
@@ -252,9 +257,10 @@ impl std::str::FromStr for GridKind {
             "alloc" => Ok(GridKind::Alloc),
             "trellis" => Ok(GridKind::Trellis),
             "klt" => Ok(GridKind::Klt),
+            "widths" => Ok(GridKind::Widths),
             _ => Err(format!(
                 "unknown grid {s:?} (default, full, split, ladder, trap, codebook, prerope, \
-                 budget, rotation, plan, fit, outliers, alloc, trellis, klt)"
+                 budget, rotation, plan, fit, outliers, alloc, trellis, klt, widths)"
             )),
         }
     }
@@ -504,9 +510,12 @@ pub fn grid(kind: GridKind, residual: usize, sinks: usize) -> Vec<Config> {
     match kind {
         GridKind::Default => {}
         // Planned or fitted in `run`, which has the model to calibrate on.
-        GridKind::Plan | GridKind::Fit | GridKind::Alloc | GridKind::Trellis | GridKind::Klt => {
-            return g
-        }
+        GridKind::Plan
+        | GridKind::Fit
+        | GridKind::Alloc
+        | GridKind::Trellis
+        | GridKind::Klt
+        | GridKind::Widths => return g,
         GridKind::Rotation => {
             let (g32, g64) = (Group::Size(32), Group::Size(64));
             let mut plain = Vec::new();
@@ -1054,6 +1063,7 @@ pub fn run(args: Args) -> Result<(), BoxError> {
         GridKind::Alloc => configs.extend(alloc_grid(&model, &tok, &args, &opts)?),
         GridKind::Trellis => configs.extend(trellis_grid(&model, &tok, &args, &opts)?),
         GridKind::Klt => configs.extend(klt_grid(&model, &tok, &args, &opts)?),
+        GridKind::Widths => configs.extend(widths_grid(&model, &tok, &args, &opts)?),
         _ => {}
     }
     if let Some(only) = &args.only {
@@ -2069,32 +2079,6 @@ pub fn trellis_grid(
         Some(t35),
         trellis(8, 2, g)?,
     ));
-    // One budget for the whole model: the score errors the widths weigh
-    // are in the same units in every layer.
-    let global = |bits: f64| {
-        let o = FitOptions {
-            block: 128,
-            pairs: true,
-            sinks: args.sinks,
-            trellis: true,
-            global: true,
-            ..FitOptions::default()
-        };
-        ChannelBits::fit_with(cfg, &caps, bits, o).map(Arc::new)
-    };
-    let g25 = global(2.5)?;
-    eprintln!(
-        "K2.5 by pair·T, one budget: key bits by layer {:?}",
-        (0..cfg.n_layers)
-            .map(|l| format!("{:.2}", g25.effective_bits(l)))
-            .collect::<Vec<_>>()
-    );
-    out.push(keys_only("K2.5 pc128 by pair·T global".into(), g25.clone()));
-    out.push(coded(
-        format!("K2.5 pc128 by pair·T global / V trellis3 L8 g{g}"),
-        Some(g25),
-        trellis(8, 3, g)?,
-    ));
     // Each channel in the trellis or the grid, by its calibration error.
     let e25 = widths_with(2.5, true, true)?;
     eprintln!(
@@ -2249,5 +2233,74 @@ pub fn klt_grid(
         None,
     ));
     eprintln!("transform grid built in {:.1}s", t.elapsed().as_secs_f64());
+    Ok(out)
+}
+
+/// [`GridKind::Widths`]: key widths by rotary pair in a trellis code (as
+/// [`trellis_grid`] fits them), with one budget for the whole model
+/// ([`FitOptions::global`]) or in blocks of 256 tokens, alone and beside
+/// 3-bit trellis values at 3.0 effective bits.
+pub fn widths_grid(
+    model: &Model,
+    tok: &crate::tokenizer::Tokenizer,
+    args: &Args,
+    opts: &PplOptions,
+) -> Result<Vec<Config>, BoxError> {
+    use std::sync::Arc;
+    let t = Instant::now();
+    let (caps, spec) = study_setup(model, tok, args, opts)?;
+    let cfg = &model.cfg;
+    let g = 64.min(cfg.head_dim);
+    let fit = |bits: f64, block: usize, global: bool| {
+        let o = FitOptions {
+            block,
+            pairs: true,
+            sinks: args.sinks,
+            trellis: true,
+            global,
+            ..FitOptions::default()
+        };
+        ChannelBits::fit_with(cfg, &caps, bits, o).map(Arc::new)
+    };
+    let values = || -> Result<ValueHook, BoxError> {
+        Ok(ValueHook::Trellis(Arc::new(
+            TrellisCode::gaussian(8, 3, g)?.with_sinks(args.sinks),
+        )))
+    };
+    let keys_only = |name, k| study_config(name, spec, cfg.n_layers, Some(k), None);
+    let coded = |name: String, k: Arc<ChannelBits>| -> Result<Config, BoxError> {
+        Ok(Config {
+            key_bits: Some(k),
+            value_code: Some(values()?),
+            ..Config::new(name, spec)
+        })
+    };
+    let mut out = Vec::new();
+    // One budget for the whole model: the score errors the widths weigh
+    // are in the same units in every layer.
+    let global = fit(2.5, 128, true)?;
+    eprintln!(
+        "K2.5 by pair·T, one budget: effective key bits by layer {:?}",
+        (0..cfg.n_layers)
+            .map(|l| format!("{:.2}", global.effective_bits(l)))
+            .collect::<Vec<_>>()
+    );
+    out.push(keys_only(
+        "K2.5 pc128 by pair·T global".into(),
+        global.clone(),
+    ));
+    out.push(coded(
+        format!("K2.5 pc128 by pair·T global / V trellis3 L8 g{g}"),
+        global,
+    )?);
+    // Blocks of 256 tokens: half the params again, an eighth of a bit more
+    // for the codes at the same effective bits.
+    let long = fit(2.625, 256, false)?;
+    out.push(keys_only("K2.625 pc256 by pair·T".into(), long.clone()));
+    out.push(coded(
+        format!("K2.625 pc256 by pair·T / V trellis3 L8 g{g}"),
+        long,
+    )?);
+    eprintln!("widths grid built in {:.1}s", t.elapsed().as_secs_f64());
     Ok(out)
 }
