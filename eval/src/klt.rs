@@ -327,12 +327,15 @@ fn water_fill(vars: &[f64], budget: usize) -> Vec<u8> {
 
 impl KltCode {
     /// Fit every layer's and KV head's transform and widths on the values
-    /// of `caps` (the first `opts.sinks` rows of each left out), weighted
-    /// by `model`'s `o_proj` when `opts.weighted`.
+    /// or post-RoPE keys of `caps` (`opts.tensor`; the first `opts.sinks`
+    /// rows of each left out), weighted by `model`'s `o_proj` or by the
+    /// captured queries when `opts.weighted`.
     ///
     /// # Errors
-    /// A message for captures that do not match the model, a budget
-    /// outside 0–[`MAX_BITS`], or too few rows to fit.
+    /// A message for no captures, captures that do not match the model or
+    /// whose tensors disagree on their rows, a budget outside
+    /// 0–[`MAX_BITS`], too few rows to fit, non-finite calibration data,
+    /// or error weights without energy (e.g. all-zero queries).
     pub fn fit(model: &Model, caps: &[Capture], opts: KltOptions) -> Result<Self, String> {
         let cfg = &model.cfg;
         let (n_kv, hd, n_q) = (cfg.n_kv_heads, cfg.head_dim, cfg.n_heads);
@@ -464,19 +467,20 @@ impl KltCode {
                 });
             }
             // Widths: one budget per head, or the layer's heads pooled.
-            let per_head = (opts.code_bits * hd as f64).round() as usize;
+            // Each scope's budget, rounded once.
+            let budget = |channels: usize| (opts.code_bits * channels as f64).round() as usize;
             let var = |c: &HeadCode| -> Vec<f64> {
                 c.sigma.iter().map(|&s| f64::from(s).powi(2)).collect()
             };
             if opts.per_layer {
                 let all: Vec<f64> = layer.iter().flat_map(var).collect();
-                let b = water_fill(&all, per_head * n_kv);
+                let b = water_fill(&all, budget(width));
                 for (c, w) in layer.iter_mut().zip(b.chunks(hd)) {
                     c.bits = w.to_vec();
                 }
             } else {
                 for c in &mut layer {
-                    c.bits = water_fill(&var(c), per_head);
+                    c.bits = water_fill(&var(c), budget(hd));
                 }
             }
             heads.extend(layer);
