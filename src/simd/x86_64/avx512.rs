@@ -258,6 +258,26 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_permutexvar_ps(v, _mm512_loadu_ps(t.as_ptr())) }
     }
     #[inline(always)]
+    fn in_place_f32<const P: u32, const SH: u32>(self, v: __m512i) -> __m512 {
+        let m = ((1u32 << P) - 1) << SH;
+        if SH + P <= 4 {
+            // Entry `i`: `i & m`. SAFETY: AVX-512F; `vpermps` reads the low
+            // 4 bits of each index, which hold the field.
+            let t: [f32; 16] = std::array::from_fn(|i| (i as u32 & m) as f32);
+            unsafe { _mm512_permutexvar_ps(v, _mm512_loadu_ps(t.as_ptr())) }
+        } else if SH >= 4 && P <= 2 {
+            // The high nibble, shifted down once (shared by its fields), then
+            // a table: entry `i` is `(16·i) & m`. A shift and a permute
+            // against a mask and a convert: the same count, but it leaves
+            // the convert's port to the FMAs.
+            let t: [f32; 16] = std::array::from_fn(|i| ((i as u32) << 4 & m) as f32);
+            // SAFETY: AVX-512F; the shifted lanes' low 4 bits index `t`.
+            unsafe { _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), _mm512_loadu_ps(t.as_ptr())) }
+        } else {
+            self.cvt(self.shr_mask(v, 0, m))
+        }
+    }
+    #[inline(always)]
     fn shr_mask(self, v: __m512i, sh: i32, mask: u32) -> __m512i {
         // SAFETY: AVX-512F. `sh` is a constant after unrolling, so these
         // become immediate shifts.

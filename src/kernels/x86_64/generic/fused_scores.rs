@@ -198,6 +198,22 @@ pub(crate) fn byte_prefix<S: Simd, const B: u8>(s: S, bytes: S::I, f: usize) -> 
     }
 }
 
+/// Field `f` of `B`-bit fields (`B` 2 or 4) of widened bytes, masked in
+/// place: `2^{B·f}` times the field, exactly. The weighted sum's code
+/// vectors; the scores read [`byte_prefix`] instead, whose differences
+/// fold into the query.
+#[inline(always)]
+pub(crate) fn byte_field<S: Simd, const B: u8>(s: S, bytes: S::I, f: usize) -> S::F {
+    match (B, f) {
+        (2, 0) => s.in_place_f32::<2, 0>(bytes),
+        (2, 1) => s.in_place_f32::<2, 2>(bytes),
+        (2, 2) => s.in_place_f32::<2, 4>(bytes),
+        (2, _) => s.in_place_f32::<2, 6>(bytes),
+        (_, 0) => s.in_place_f32::<4, 0>(bytes),
+        _ => s.in_place_f32::<4, 4>(bytes),
+    }
+}
+
 /// Rewrite per-channel queries for `bits`-bit rows (2 or 4) read a byte
 /// vector at a time (see [`row_vec`]). Byte `c` of the plane holds the
 /// fields of channels `c + f·m` (`m = hd·bits/8` bytes, `F = 8/bits`
