@@ -38,6 +38,24 @@ unsafe fn plane_block(p: *const u8, m: usize, k: usize) -> __m512i {
     }
 }
 
+/// `v`, unseen by the optimizer: it keeps a shift of widened bytes on the
+/// widened vector. (Knowing the lanes hold zero-extended bytes, LLVM moves
+/// such a shift and mask before a second widening: one more operation on
+/// the shuffle port the table lookups need.)
+///
+/// # Safety
+/// AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn opaque(mut v: __m512i) -> __m512i {
+    // SAFETY: an empty template: no instruction runs; `v` stays in its
+    // register.
+    unsafe {
+        core::arch::asm!("/* {0} */", inout(zmm_reg) v, options(pure, nomem, nostack, preserves_flags));
+    }
+    v
+}
+
 /// Proof that the CPU runs this file's instructions (see [`Avx512::new`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Avx512(());
@@ -271,8 +289,12 @@ unsafe impl Simd for Avx512 {
             // against a mask and a convert: the same count, but it leaves
             // the convert's port to the FMAs.
             let t: [f32; 16] = std::array::from_fn(|i| ((i as u32) << 4 & m) as f32);
-            // SAFETY: AVX-512F; the shifted lanes' low 4 bits index `t`.
-            unsafe { _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), _mm512_loadu_ps(t.as_ptr())) }
+            // SAFETY: AVX-512F (this type's proof, for `opaque` too); the
+            // shifted lanes' low 4 bits (the byte's high nibble) index `t`.
+            unsafe {
+                let v = _mm512_srli_epi32::<4>(opaque(v));
+                _mm512_permutexvar_ps(v, _mm512_loadu_ps(t.as_ptr()))
+            }
         } else {
             self.cvt(self.shr_mask(v, 0, m))
         }

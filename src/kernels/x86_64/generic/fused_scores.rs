@@ -157,10 +157,11 @@ pub(crate) const fn row_vectors<S: Simd, const HD: usize>() -> usize {
 
 /// Vector `j` of token `tt`'s row for [`fused_scores_tile`]: the
 /// dequantized codes, or with `NIB` (2- and 4-bit raw codes read a byte
-/// vector at a time, queries rewritten by [`nibble_queries`]) the prefix
-/// `v_f = b & (2^{B·(f+1)} − 1)` of byte vector `j mod h` for level
-/// `f = j div h`, `h = nch·B/8`: for 4 bits the low nibbles and then the
-/// whole bytes; for 2 bits `b & 3`, `b & 15`, `b & 63` and `b`.
+/// vector at a time, queries rewritten by [`nibble_queries`]) field
+/// `f = j div h` of byte vector `j mod h`, `h = nch·B/8`: for 4 bits the
+/// prefix `v_f = b & (2^{4·(f+1)} − 1)` (the low nibbles, then the whole
+/// bytes); for 2 bits the field in place, `b & (3·4^f)` ([`byte_field`]).
+/// (A 2-bit prefix `b & 63` compiled to a mask before a second widening.)
 ///
 /// # Safety
 /// `row` valid for the row's bytes; `Geo::fast`; `j < nch`.
@@ -177,31 +178,32 @@ pub(crate) unsafe fn row_vec<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
     unsafe {
         if NIB {
             let h = g.nch * B as usize / 8;
-            byte_prefix::<S, B>(s, s.load_u8(row.add(j % h * S::L)), j / h)
+            let bytes = s.load_u8(row.add(j % h * S::L));
+            if B == 2 {
+                byte_field::<S, B>(s, bytes, j / h)
+            } else {
+                byte_prefix::<S>(s, bytes, j / h)
+            }
         } else {
             d.apply(s, tt, j, codes_f32::<S, B>(s, row, g.hd, j))
         }
     }
 }
 
-/// Prefix `f` of `B`-bit fields (`B` 2 or 4) of widened bytes as floats:
-/// `b & (2^{B·(f+1)} − 1)` — for 4 bits the low nibble, then the byte; for
-/// 2 bits `b & 3`, `b & 15`, `b & 63`, then the byte. Field `f` is
-/// `(prefix f − prefix f−1)/2^{B·f}`, exactly.
+/// Prefix `f` of 4-bit fields of widened bytes as floats: the low nibble,
+/// then the byte. Field `f` is `(prefix f − prefix f−1)/16^f`, exactly.
 #[inline(always)]
-pub(crate) fn byte_prefix<S: Simd, const B: u8>(s: S, bytes: S::I, f: usize) -> S::F {
-    match (B, f) {
-        (2, 0) => s.field_f32::<2>(bytes),
-        (2, 1) | (4, 0) => s.field_f32::<4>(bytes),
-        (2, 2) => s.cvt(s.shr_mask(bytes, 0, 63)),
-        _ => s.cvt(bytes),
+pub(crate) fn byte_prefix<S: Simd>(s: S, bytes: S::I, f: usize) -> S::F {
+    if f == 0 {
+        s.field_f32::<4>(bytes)
+    } else {
+        s.cvt(bytes)
     }
 }
 
 /// Field `f` of `B`-bit fields (`B` 2 or 4) of widened bytes, masked in
-/// place: `2^{B·f}` times the field, exactly. The weighted sum's code
-/// vectors; the scores read [`byte_prefix`] instead, whose differences
-/// fold into the query.
+/// place: `2^{B·f}` times the field, exactly: the 2-bit rows of the
+/// scores and of the weighted sum, and the weighted sum's 4-bit low nibbles.
 #[inline(always)]
 pub(crate) fn byte_field<S: Simd, const B: u8>(s: S, bytes: S::I, f: usize) -> S::F {
     match (B, f) {
@@ -217,19 +219,23 @@ pub(crate) fn byte_field<S: Simd, const B: u8>(s: S, bytes: S::I, f: usize) -> S
 /// Rewrite per-channel queries for `bits`-bit rows (2 or 4) read a byte
 /// vector at a time (see [`row_vec`]). Byte `c` of the plane holds the
 /// fields of channels `c + f·m` (`m = hd·bits/8` bytes, `F = 8/bits`
-/// fields); with `v_f` its prefix `b & (2^{bits·(f+1)} − 1)`, field `f` is
-/// `(v_f − v_{f−1})/2^{bits·f}`, so the dot product telescopes:
-/// `Σ_f q_f·x_f = Σ_f v_f·(q_f/2^{bits·f} − q_{f+1}/2^{bits·(f+1)})` with
-/// `q_F = 0`. The kernel widens each byte vector once and masks instead of
-/// shifting each field out (a second widening on the shuffle port). `qs`
-/// holds `nq` queries of `hdp` floats.
+/// fields), read at `2^{bits·f}` times their value, so field `f`'s queries
+/// are scaled by `2^{−bits·f}` (exact). 4-bit rows read the prefixes `v_0 =
+/// b & 15` and `v_1 = b`, field 1 being `(v_1 − v_0)/16`, so the dot
+/// product telescopes: `q_0·x_0 + q_1·x_1 = v_0·(q_0 − q_1/16) +
+/// v_1·q_1/16`, and the kernel widens each byte vector once and converts
+/// it without a mask. `qs` holds `nq` queries of `hdp` floats.
 #[inline(always)]
 pub(crate) fn nibble_queries(qs: &mut [f32], nq: usize, hd: usize, hdp: usize, bits: u32) {
     let fields = (8 / bits) as usize;
     let m = hd / fields;
     for qi in qs.chunks_exact_mut(hdp).take(nq) {
-        // Scale field `f` by 2^−bits·f (exact), then subtract the next.
+        // Scale field `f` by 2^−bits·f (exact), then (4 bits) subtract the
+        // next.
         unscale_fields(&mut qi[..hd], bits);
+        if bits == 2 {
+            continue;
+        }
         for f in 0..fields - 1 {
             let (cur, next) = qi[f * m..(f + 2) * m].split_at_mut(m);
             for (a, b) in cur.iter_mut().zip(next.iter()) {
