@@ -230,12 +230,20 @@ fn fused_kernels_for_every_query_count() {
     for bits in [2u8, 3, 4, 8] {
         for axis in [Axis::PerToken, Axis::PerChannel] {
             for mode in MODES {
-                let s = scheme(bits, axis, Group::Size(32), mode, ScaleFormat::F16)
-                    .expect("a 32-wide scheme");
-                for hd in [64, 128, 256] {
-                    for nq in 1..=9 {
-                        for tokens in [5, 40] {
-                            run_case(&mut rng, s, hd, tokens, nq, Data::Uniform);
+                // Per-channel keys read f16 params straight from the stored
+                // bytes and the others through a widened copy: both paths.
+                let fmts: &[ScaleFormat] = match axis {
+                    Axis::PerChannel => &[ScaleFormat::F16, ScaleFormat::Bf16, ScaleFormat::F32],
+                    _ => &[ScaleFormat::F16],
+                };
+                for &fmt in fmts {
+                    let s =
+                        scheme(bits, axis, Group::Size(32), mode, fmt).expect("a 32-wide scheme");
+                    for hd in [64, 128, 256] {
+                        for nq in 1..=9 {
+                            for tokens in [5, 40] {
+                                run_case(&mut rng, s, hd, tokens, nq, Data::Uniform);
+                            }
                         }
                     }
                 }

@@ -51,7 +51,11 @@ unsafe fn opaque(mut v: __m512i) -> __m512i {
     // SAFETY: an empty template: no instruction runs; `v` stays in its
     // register.
     unsafe {
-        core::arch::asm!("/* {0} */", inout(zmm_reg) v, options(pure, nomem, nostack, preserves_flags));
+        core::arch::asm!(
+            "/* {0} */",
+            inout(zmm_reg) v,
+            options(pure, nomem, nostack, preserves_flags)
+        );
     }
     v
 }
@@ -285,10 +289,11 @@ unsafe impl Simd for Avx512 {
             // index, which hold the field.
             unsafe { _mm512_permutexvar_ps(v, _mm512_loadu_ps(t.as_ptr())) }
         } else if SH >= 4 && P <= 2 {
-            // The high nibble, shifted down once (shared by its fields), then
-            // a table: entry `i` is `(16·i) & m`. The same count as a mask
-            // and a convert, but it leaves the convert's port to the FMAs
-            // (measured 4 % faster in the 2-bit weighted sum).
+            // The high nibble, shifted down once (the shift shared by its two
+            // fields), then a table: entry `i` is `(16·i) & m`. Two fields
+            // cost a shift and two lookups against two masks and two
+            // converts, and leave the convert's port to the FMAs (measured
+            // 4 % faster in the 2-bit weighted sum).
             let t: [f32; 16] = std::array::from_fn(|i| ((i as u32) << 4 & m) as f32);
             // SAFETY: AVX-512F (this type's proof, for `opaque` too); the
             // shifted lanes' low 4 bits (the byte's high nibble) index `t`.

@@ -160,8 +160,9 @@ pub(crate) unsafe trait Simd: Copy {
     fn field_at_f32<const P: u32, const SH: u32>(self, v: Self::I) -> Self::F;
     /// `v & ((2^P − 1) << SH)` as floats, for `SH + P ≤ 8` and lanes that
     /// hold one byte: a field of the byte in place (`2^SH` times its value).
-    /// AVX-512 looks a field within one nibble up in a table (no mask, no
-    /// convert); the rest mask and convert.
+    /// AVX-512 looks fields of up to 2 bits up in a 16-entry table (those
+    /// of the high nibble after one shift, which the fields share); the
+    /// rest mask and convert.
     #[inline(always)]
     fn in_place_f32<const P: u32, const SH: u32>(self, v: Self::I) -> Self::F {
         self.cvt(self.shr_mask(v, 0, ((1 << P) - 1) << SH))
@@ -330,22 +331,28 @@ mod tests {
             (3, 1, s.field_at_f32::<3, 1>(v)),
             (4, 0, s.field_at_f32::<4, 0>(v)),
         ];
-        let in_place: [(u32, u32, S::F); 8] = [
-            (2, 0, s.in_place_f32::<2, 0>(v)),
-            (2, 2, s.in_place_f32::<2, 2>(v)),
-            (2, 4, s.in_place_f32::<2, 4>(v)),
-            (2, 6, s.in_place_f32::<2, 6>(v)),
-            (4, 0, s.in_place_f32::<4, 0>(v)),
-            (4, 4, s.in_place_f32::<4, 4>(v)),
-            (3, 3, s.in_place_f32::<3, 3>(v)),
-            (1, 7, s.in_place_f32::<1, 7>(v)),
-        ];
-        for (p, sh, got) in in_place {
-            // SAFETY: `out` holds 16 ≥ L floats.
-            unsafe { s.store(out.as_mut_ptr(), got) };
-            for (l, &b) in all.iter().enumerate() {
-                let want = (b as u32 & (((1 << p) - 1) << sh)) as f32;
-                assert_eq!(out[l], want, "in_place_f32::<{p}, {sh}> of {b}");
+        // Fields in place, for every byte value.
+        let bytes: Vec<u8> = (0..=255).collect();
+        for chunk in bytes.chunks_exact(S::L) {
+            // SAFETY: `chunk` holds `L` bytes.
+            let v = unsafe { s.load_u8(chunk.as_ptr()) };
+            let in_place: [(u32, u32, S::F); 8] = [
+                (2, 0, s.in_place_f32::<2, 0>(v)),
+                (2, 2, s.in_place_f32::<2, 2>(v)),
+                (2, 4, s.in_place_f32::<2, 4>(v)),
+                (2, 6, s.in_place_f32::<2, 6>(v)),
+                (4, 0, s.in_place_f32::<4, 0>(v)),
+                (4, 4, s.in_place_f32::<4, 4>(v)),
+                (3, 3, s.in_place_f32::<3, 3>(v)),
+                (1, 7, s.in_place_f32::<1, 7>(v)),
+            ];
+            for (p, sh, got) in in_place {
+                // SAFETY: `out` holds 16 ≥ L floats.
+                unsafe { s.store(out.as_mut_ptr(), got) };
+                for (l, &b) in chunk.iter().enumerate() {
+                    let want = (b as u32 & (((1 << p) - 1) << sh)) as f32;
+                    assert_eq!(out[l], want, "in_place_f32::<{p}, {sh}> of {b}");
+                }
             }
         }
         for (p, sh, got) in fields {

@@ -246,7 +246,8 @@ pub(crate) fn nibble_queries(qs: &mut [f32], nq: usize, hd: usize, hdp: usize, b
 }
 
 /// Multiply field `f` of `x` (`F = 8/bits` equal parts) by `2^{−bits·f}`
-/// (exact): the field scale of a byte-vector row ([`byte_prefix`]).
+/// (exact): the field scale of a byte-vector row ([`byte_field`],
+/// [`byte_prefix`]).
 #[inline(always)]
 pub(crate) fn unscale_fields(x: &mut [f32], bits: u32) {
     let fields = (8 / bits) as usize;

@@ -586,9 +586,9 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     // 2- and 4-bit rows read a byte vector at a time: byte vector `jj`
     // gives the `F = 8/B` vectors `jj + f·h` (its fields), so a block is
     // `bb` byte vectors and `F·bb` accumulators per query. Field `f` is
-    // the exact difference of two masked prefixes of the byte (see
-    // `row_vec`), i.e. `2^{B·f}` times the field; it accumulates at that
-    // scale and is scaled back at the end. That costs up to 6 bits of
+    // read as `2^{B·f}` times its value (masked in place, or for the 4-bit
+    // high nibble the byte less its low one; see `byte_field`); it
+    // accumulates at that scale and is scaled back at the end. That costs up to 6 bits of
     // exponent headroom: only with f16 scales (at most 65504), where it
     // overflows only for weights beyond ≈10^30, not for probabilities.
     let nf = 8 / B as usize;
