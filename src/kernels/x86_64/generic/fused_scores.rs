@@ -161,7 +161,6 @@ pub(crate) const fn row_vectors<S: Simd, const HD: usize>() -> usize {
 /// `f = j div h` of byte vector `j mod h`, `h = nch·B/8`: for 4 bits the
 /// prefix `v_f = b & (2^{4·(f+1)} − 1)` (the low nibbles, then the whole
 /// bytes); for 2 bits the field in place, `b & (3·4^f)` ([`byte_field`]).
-/// (A 2-bit prefix `b & 63` compiled to a mask before a second widening.)
 ///
 /// # Safety
 /// `row` valid for the row's bytes; `Geo::fast`; `j < nch`.
@@ -179,10 +178,10 @@ pub(crate) unsafe fn row_vec<S: Simd, const B: u8, D: Deq<S>, const NIB: bool>(
         if NIB {
             let h = g.nch * B as usize / 8;
             let bytes = s.load_u8(row.add(j % h * S::L));
-            if B == 2 {
-                byte_field::<S, B>(s, bytes, j / h)
-            } else {
+            if telescoped(B as u32) {
                 byte_prefix::<S>(s, bytes, j / h)
+            } else {
+                byte_field::<S, B>(s, bytes, j / h)
             }
         } else {
             d.apply(s, tt, j, codes_f32::<S, B>(s, row, g.hd, j))
@@ -201,9 +200,11 @@ pub(crate) fn byte_prefix<S: Simd>(s: S, bytes: S::I, f: usize) -> S::F {
     }
 }
 
-/// Field `f` of `B`-bit fields (`B` 2 or 4) of widened bytes, masked in
-/// place: `2^{B·f}` times the field, exactly: the 2-bit rows of the
-/// scores and of the weighted sum, and the weighted sum's 4-bit low nibbles.
+/// Field `f` of `B`-bit fields (`B` 2 or 4) of widened bytes at `2^{B·f}`
+/// times its value, exactly: 2-bit fields masked in place, the 4-bit high
+/// nibble as the byte less its low one (measured faster than its mask; the
+/// low nibble's lookup is the one field 0 made). The weighted sum's code
+/// vectors, and the scores' 2-bit ones.
 #[inline(always)]
 pub(crate) fn byte_field<S: Simd, const B: u8>(s: S, bytes: S::I, f: usize) -> S::F {
     match (B, f) {
@@ -211,9 +212,16 @@ pub(crate) fn byte_field<S: Simd, const B: u8>(s: S, bytes: S::I, f: usize) -> S
         (2, 1) => s.in_place_f32::<2, 2>(bytes),
         (2, 2) => s.in_place_f32::<2, 4>(bytes),
         (2, _) => s.in_place_f32::<2, 6>(bytes),
-        (_, 0) => s.in_place_f32::<4, 0>(bytes),
-        _ => s.in_place_f32::<4, 4>(bytes),
+        (_, 0) => s.field_f32::<4>(bytes),
+        _ => s.sub(s.cvt(bytes), s.field_f32::<4>(bytes)),
     }
+}
+
+/// Whether the scores' queries for `bits`-bit byte vectors telescope (4-bit
+/// prefixes, [`byte_prefix`]) rather than read fields in place (2 bits).
+#[inline(always)]
+pub(crate) fn telescoped(bits: u32) -> bool {
+    bits == 4
 }
 
 /// Rewrite per-channel queries for `bits`-bit rows (2 or 4) read a byte
@@ -230,10 +238,10 @@ pub(crate) fn nibble_queries(qs: &mut [f32], nq: usize, hd: usize, hdp: usize, b
     let fields = (8 / bits) as usize;
     let m = hd / fields;
     for qi in qs.chunks_exact_mut(hdp).take(nq) {
-        // Scale field `f` by 2^−bits·f (exact), then (4 bits) subtract the
-        // next.
+        // Scale field `f` by 2^−bits·f (exact), then (prefixes) subtract
+        // the next.
         unscale_fields(&mut qi[..hd], bits);
-        if bits == 2 {
+        if !telescoped(bits) {
             continue;
         }
         for f in 0..fields - 1 {

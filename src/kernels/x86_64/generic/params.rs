@@ -293,7 +293,7 @@ pub(crate) unsafe fn block_queries_f16<S: Simd>(
         *bias = s.hsum(b);
         if let Some(bits) = nib {
             // As `nibble_queries`: scale field `f` by 2^−bits·f, then
-            // (4 bits) subtract the next field.
+            // (prefixes) subtract the next field.
             let nf = (8 / bits) as usize;
             let h = nch / nf;
             for f in 1..nf {
@@ -302,7 +302,7 @@ pub(crate) unsafe fn block_queries_f16<S: Simd>(
                     *v = s.mul(*v, k);
                 }
             }
-            for f in 0..if bits == 2 { 0 } else { nf - 1 } {
+            for f in 0..if telescoped(bits) { nf - 1 } else { 0 } {
                 for jj in 0..h {
                     x[f * h + jj] = s.sub(x[f * h + jj], x[(f + 1) * h + jj]);
                 }

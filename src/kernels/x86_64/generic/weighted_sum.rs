@@ -586,9 +586,8 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     // 2- and 4-bit rows read a byte vector at a time: byte vector `jj`
     // gives the `F = 8/B` vectors `jj + f·h` (its fields), so a block is
     // `bb` byte vectors and `F·bb` accumulators per query. Field `f` is
-    // read as `2^{B·f}` times its value (masked in place, or for the 4-bit
-    // high nibble the byte less its low one; see `byte_field`); it
-    // accumulates at that scale and is scaled back at the end. That costs up to 6 bits of
+    // read as `2^{B·f}` times its value (`byte_field`); it accumulates at
+    // that scale and is scaled back at the end. That costs up to 6 bits of
     // exponent headroom: only with f16 scales (at most 65504), where it
     // overflows only for weights beyond ≈10^30, not for probabilities.
     let nf = 8 / B as usize;
@@ -763,20 +762,12 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                             unroll!(8 max NQ; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
                         }
                         // One widening per byte vector; field `f` (vector
-                        // `jj + f·h`) exact and `2^{B·f}` times the field:
-                        // 2-bit fields masked in place (fewer operations
-                        // than differences of prefixes), the 4-bit high
-                        // nibble as the byte less the low one (measured
-                        // faster than its mask).
+                        // `jj + f·h`) exact and `2^{B·f}` times the field.
                         unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
                             let bytes = s.load_u8(row.add(k * S::L));
                             let mut x = [s.zero(); 4];
                             unroll!(4 max fields::<B>(); f in 0, nf => {
-                                x[f] = if B == 4 && f == 1 {
-                                    s.sub(s.cvt(bytes), x[0])
-                                } else {
-                                    byte_field::<S, B>(s, bytes, f)
-                                };
+                                x[f] = byte_field::<S, B>(s, bytes, f);
                             });
                             unroll!(4 max fields::<B>(); f in 0, nf => {
                                 let wf = s.bcast(w.add(f * h + k));
