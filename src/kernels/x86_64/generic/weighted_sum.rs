@@ -469,11 +469,44 @@ pub(crate) unsafe fn zero_sums<S: Simd>(
 }
 
 /// Byte vectors per column block of [`fused_sum_pt`]'s byte-vector path:
-/// `NQ·F·bb` accumulators fill half the register file.
+/// `NQ·P·bb` accumulators (`P` the fields of a pass, [`pass_fields`])
+/// fill half the register file.
 #[inline(always)]
 fn byte_block<S: Simd, const B: u8, const NQ: usize>(g: Geo) -> usize {
     let nf = 8 / B as usize;
     byte_block_max::<S, B, NQ>().min((g.nch / nf).max(1))
+}
+
+/// Fields of a code byte that [`fused_sum_pt`]'s byte-vector path takes
+/// per pass over a tile: all of them, unless more than four queries'
+/// accumulators for every field would overflow half the register file
+/// (2-bit rows with eight queries on AVX-512: two passes of two fields,
+/// each widening the bytes again, rather than the tile kernels).
+const fn pass_fields<S: Simd, const B: u8, const NQ: usize>() -> usize {
+    let nf = fields::<B>();
+    if NQ <= 4 || NQ * nf <= S::REGS / 2 {
+        nf
+    } else if S::REGS / 2 / NQ == 0 {
+        1
+    } else {
+        S::REGS / 2 / NQ
+    }
+}
+
+/// Passes over a tile of [`fused_sum_pt`]'s byte-vector path.
+const fn passes<S: Simd, const B: u8, const NQ: usize>() -> usize {
+    fields::<B>().div_ceil(pass_fields::<S, B, NQ>())
+}
+
+/// The copies of [`fused_sum_pt`]'s pass loop: [`passes`], at most two
+/// ([`byte_vectors`] sends more to the tile kernels).
+const fn passes_unrolled<S: Simd, const B: u8, const NQ: usize>() -> usize {
+    let p = passes::<S, B, NQ>();
+    if p > 2 {
+        2
+    } else {
+        p
+    }
 }
 
 /// Fields per code byte of `B`-bit codes (`B` = 0, the any-width
@@ -487,7 +520,7 @@ const fn fields<const B: u8>() -> usize {
 /// emitted before the bounds fold, and the instances multiply: a loose
 /// bound costs compile time and memory, not run time).
 const fn byte_block_max<S: Simd, const B: u8, const NQ: usize>() -> usize {
-    let nf = fields::<B>();
+    let nf = pass_fields::<S, B, NQ>();
     let jb = if S::REGS / 2 / NQ == 0 {
         1
     } else {
@@ -519,9 +552,12 @@ fn byte_vectors<S: Simd, const B: u8, const NQ: usize>(g: Geo, fmt: ScaleFormat)
         && h.is_multiple_of(bb)
         && bb * nf <= 16
         && bb <= 8
-        // Five to eight queries: only where the accumulators fit half
-        // the register file (4-bit on AVX-512), not 2-bit's 20 to 32.
-        && (NQ <= 4 || NQ * nf * bb <= S::REGS / 2)
+        // Five to eight queries: only where a pass's accumulators fit
+        // half the register file, in at most two passes.
+        && (NQ <= 4
+            || (NQ * pass_fields::<S, B, NQ>() * bb <= S::REGS / 2
+                && passes::<S, B, NQ>() <= 2
+                && nf.is_multiple_of(pass_fields::<S, B, NQ>())))
         && fmt == ScaleFormat::F16
 }
 
@@ -738,19 +774,24 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 None => (codes.add(t0 * g.rb), g.rb),
             };
             if const { matches!(B, 2 | 4) } {
+                // `fp` fields per pass (all but for eight 2-bit queries);
+                // pass `pi` takes fields `pi·fp ..`, in slots `ff·fs + k`.
+                let fp = const { pass_fields::<S, B, NQ>() };
                 let mut jj0 = 0;
                 while jj0 < h {
+                    unroll!(2 max passes_unrolled::<S, B, NQ>(); pi in 0, nf / fp => {
                     let mut a = [[s.zero(); 16]; NQ];
                     unroll!(8 max NQ; i in 0, NQ => {
-                        unroll!(4 max fields::<B>(); f in 0, nf => {
+                        unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
+                            let f = pi * fp + ff;
                             unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
                                 let o = i * hdp + (jj0 + k + f * h) * S::L;
-                                a[i][f * fs + k] = s.load(acc.as_ptr().add(o));
+                                a[i][ff * fs + k] = s.load(acc.as_ptr().add(o));
                             });
                         });
                     });
                     for tt in 0..n {
-                        if jj0 == 0 {
+                        if jj0 == 0 && pi == 0 {
                             ah[0].token(tt);
                             ah[1].token(tt);
                         }
@@ -761,35 +802,39 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                         if fold {
                             unroll!(8 max NQ; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
                         }
-                        // One widening per byte vector; field `f` (vector
-                        // `jj + f·h`) exact and `2^{B·f}` times the field.
+                        // One widening per byte vector and pass; field `f`
+                        // (vector `jj + f·h`) exact and `2^{B·f}` times
+                        // the field.
                         unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
                             let bytes = s.load_u8(row.add(k * S::L));
                             let mut x = [s.zero(); 4];
-                            unroll!(4 max fields::<B>(); f in 0, nf => {
-                                x[f] = byte_field::<S, B>(s, bytes, f);
+                            unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
+                                x[ff] = byte_field::<S, B>(s, bytes, pi * fp + ff);
                             });
-                            unroll!(4 max fields::<B>(); f in 0, nf => {
+                            unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
+                                let f = pi * fp + ff;
                                 let wf = s.bcast(w.add(f * h + k));
                                 if fold {
                                     let zf = s.bcast(zr.add(f * h + k));
-                                    let xf = s.fma(x[f], wf, zf);
+                                    let xf = s.fma(x[ff], wf, zf);
                                     unroll!(8 max NQ; i in 0, NQ => {
-                                        a[i][f * fs + k] = s.fma(xf, pb[i], a[i][f * fs + k]);
+                                        a[i][ff * fs + k] = s.fma(xf, pb[i], a[i][ff * fs + k]);
                                     });
                                 } else {
-                                    a[0][f * fs + k] = s.fma(x[f], wf, a[0][f * fs + k]);
+                                    a[0][ff * fs + k] = s.fma(x[ff], wf, a[0][ff * fs + k]);
                                 }
                             });
                         });
                     }
                     unroll!(8 max NQ; i in 0, NQ => {
-                        unroll!(4 max fields::<B>(); f in 0, nf => {
+                        unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
+                            let f = pi * fp + ff;
                             unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
                                 let o = i * hdp + (jj0 + k + f * h) * S::L;
-                                s.store(acc.as_mut_ptr().add(o), a[i][f * fs + k]);
+                                s.store(acc.as_mut_ptr().add(o), a[i][ff * fs + k]);
                             });
                         });
+                    });
                     });
                     jj0 += bb;
                 }
