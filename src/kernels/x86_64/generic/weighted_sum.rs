@@ -564,7 +564,9 @@ fn byte_vectors<S: Simd, const B: u8, const NQ: usize>(g: Geo, fmt: ScaleFormat)
 /// Fused weighted sum of per-token values for `NQ` queries: each row is
 /// unpacked into registers once and added into every query. Accumulators
 /// live in registers for a tile at a time, `NQ ×` a column block of
-/// vectors filling half the register file.
+/// vectors filling half the register file. Where `NQ ×` every field of a
+/// byte vector would not fit, the tile is read in two passes, each over
+/// half the fields ([`pass_fields`]).
 ///
 /// The scales are expanded per vector (`w[t·ne + j]` is the scale of
 /// vector `j`'s group), so every broadcast in the inner loop is a constant
