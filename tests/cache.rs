@@ -186,6 +186,60 @@ fn gqa_equals_per_head() {
     }
 }
 
+/// Several queries per KV head over many pages, where the keys' and the
+/// values' sections end at different places (per-channel blocks of 48 or
+/// 32 tokens pack whole blocks, per-token rows every token; sinks; a
+/// residual window): decode splits the range where both end and merges
+/// the pieces, which must equal each query head alone and dense attention.
+#[test]
+fn gqa_across_pages_whose_sections_differ() {
+    let (n_kv, hd) = (2, 64);
+    let pc = |g| scheme(4, Axis::PerChannel, Group::Size(g));
+    let pt = scheme(4, Axis::PerToken, Group::Size(32));
+    let pool = kvq::cache::PagePool::new(96, None).unwrap();
+    for backend in backends() {
+        for ((ks, vs), (len, res, sinks)) in [
+            (pc(48), pt),
+            (pc(48), pc(32)),
+            (pc(32), pc(48)),
+            (pt, pc(48)),
+        ]
+        .into_iter()
+        .flat_map(|kv| [(700, 0, 0), (701, 20, 3), (655, 7, 1)].map(|x| (kv, x)))
+        {
+            let cfg = CacheConfig::new(n_kv, hd)
+                .keys(ks)
+                .values(vs)
+                .residual(res)
+                .sinks(sinks)
+                .backend(backend)
+                .threads(1);
+            let mut c = LayerCache::new_in(cfg, &pool).unwrap();
+            let mut rng = Rng::new(len as u64);
+            let (kr, vr) = fill(&mut c, len, &mut rng);
+            let (kd, vd) = placed(&cfg, &kr, &vr);
+            for r in [2usize, 4] {
+                let n_q = n_kv * r;
+                let q = rng.vec(n_q * hd);
+                let mut out = vec![0.0; n_q * hd];
+                c.attend(&q, n_q, &mut out).unwrap();
+                for i in 0..n_q {
+                    let h = i / r;
+                    let mut qi = vec![0.0; n_kv * hd];
+                    qi[h * hd..(h + 1) * hd].copy_from_slice(&q[i * hd..(i + 1) * hd]);
+                    let mut oi = vec![0.0; n_kv * hd];
+                    c.attend(&qi, n_kv, &mut oi).unwrap();
+                    let d = max_abs_diff(&out[i * hd..(i + 1) * hd], &oi[h * hd..(h + 1) * hd]);
+                    assert!(d < 1e-5, "len {len} r {r} head {i}: {d}");
+                }
+                let want = dense_attention(&q, n_q, &kd, &vd, n_kv, hd, 0.125);
+                let d = max_abs_diff(&out, &want);
+                assert!(d < 1e-5, "len {len} r {r}: {d}");
+            }
+        }
+    }
+}
+
 #[test]
 fn per_channel_flush_across_block_boundaries() {
     let (n_kv, hd, g, r) = (2, 32, 32, 16);

@@ -1284,10 +1284,22 @@ impl LayerCache {
             } else {
                 usize::MAX
             };
+            // Several queries of one position (GQA decode): a chunk per
+            // section the keys and the values share (a page, the sinks),
+            // so each section's kernels read and write their rows of
+            // scores in place instead of through a copy.
+            let cuts = if n == 1 && rows > 1 {
+                self.common_ends(h, a, b)
+            } else {
+                Vec::new()
+            };
+            let mut cut = cuts.iter().copied();
             let mut c0 = a;
             while c0 < b {
                 let e = c0.saturating_add(span);
-                let c1 = if e >= b {
+                let c1 = if let Some(e) = cut.next() {
+                    e
+                } else if e >= b {
                     b
                 } else if e > sinks {
                     (sinks + (e - sinks) / align * align).max(c0 + 1).min(b)
@@ -1311,6 +1323,24 @@ impl LayerCache {
             );
             j0 = j1;
         }
+    }
+
+    /// The positions in `a+1..b` where a section of head `h`'s keys and
+    /// one of its values both end, ascending: where a range can be split
+    /// with every piece entering both at a section's start.
+    fn common_ends(&self, h: usize, a: usize, b: usize) -> Vec<usize> {
+        let ends = |t: &Tensor| -> Vec<usize> {
+            t.sections(h, a, b)
+                .iter()
+                .map(|s| s.start + s.len)
+                .filter(|&e| e < b)
+                .collect()
+        };
+        let ve = ends(&self.v);
+        ends(&self.k)
+            .into_iter()
+            .filter(|e| ve.binary_search(e).is_ok())
+            .collect()
     }
 
     /// Unnormalized attention of `rows` queries over positions `a..b` of
@@ -1389,9 +1419,11 @@ impl LayerCache {
                 }
                 SectionData::Packed(view) => {
                     let c = self.k.codec.as_ref().expect("packed tokens have a codec");
-                    if rows == 1 {
-                        // One query: its scores go straight to their place.
-                        c.scores(self.backend, &view, q, &mut out[off..off + sec.len])
+                    if rows == 1 || sec.len == width {
+                        // One query, or a section spanning the range: the
+                        // scores go straight to their place.
+                        let out = &mut out[off..off + (rows - 1) * width + sec.len];
+                        c.scores(self.backend, &view, q, out)
                             .expect("lengths are consistent");
                         continue;
                     }
@@ -1534,9 +1566,11 @@ impl LayerCache {
                 }
                 SectionData::Packed(view) => {
                     let c = self.v.codec.as_ref().expect("packed tokens have a codec");
-                    if rows == 1 {
-                        // One query: its weights are read in place.
-                        c.weighted_sum(self.backend, &view, &p[off..off + sec.len], dst)
+                    if rows == 1 || sec.len == width {
+                        // One query, or a section spanning the range: the
+                        // weights are read in place.
+                        let p = &p[off..off + (rows - 1) * width + sec.len];
+                        c.weighted_sum(self.backend, &view, p, dst)
                             .expect("lengths are consistent");
                         continue;
                     }
