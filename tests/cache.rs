@@ -198,17 +198,23 @@ fn diff_from_heads_alone(c: &LayerCache, q: &[f32], out: &[f32], n_kv: usize, hd
 }
 
 /// Several queries per KV head over many pages, where the keys' and the
-/// values' sections end at different places (per-channel blocks of 48 or
-/// 32 tokens pack whole blocks, per-token rows every token; sinks; a
-/// residual window): decode splits the range where both end and merges
-/// the pieces, which must equal each query head alone and dense attention.
+/// values' sections end at different places: per-channel blocks of 48 or
+/// 32 tokens pack whole blocks and per-token rows every token (so their
+/// packed regions end apart), sinks, a residual window, and pages of 96
+/// tokens (the same for every unit) or 40 (rounded up to a whole block:
+/// 48, 64 or 40, so most page ends differ too). Decode splits the range
+/// where both end and merges the pieces, which must equal each query head
+/// alone and dense attention.
 #[test]
 fn gqa_across_pages_whose_sections_differ() {
     let (n_kv, hd) = (2, 64);
     let pc = |g| scheme(4, Axis::PerChannel, Group::Size(g));
     let pt = scheme(4, Axis::PerToken, Group::Size(32));
-    let pool = kvq::cache::PagePool::new(96, None).unwrap();
-    for backend in backends() {
+    let pools = [96, 40].map(|t| kvq::cache::PagePool::new(t, None).unwrap());
+    for (backend, pool) in backends()
+        .into_iter()
+        .flat_map(|b| pools.iter().map(move |p| (b, p)))
+    {
         for ((ks, vs), (len, res, sinks)) in [
             (pc(48), pt),
             (pc(48), pc(32)),
@@ -225,7 +231,7 @@ fn gqa_across_pages_whose_sections_differ() {
                 .sinks(sinks)
                 .backend(backend)
                 .threads(1);
-            let mut c = LayerCache::new_in(cfg, &pool).unwrap();
+            let mut c = LayerCache::new_in(cfg, pool).unwrap();
             let mut rng = Rng::new(len as u64);
             let (kr, vr) = fill(&mut c, len, &mut rng);
             let (kd, vd) = placed(&cfg, &kr, &vr);

@@ -1284,10 +1284,11 @@ impl LayerCache {
             } else {
                 usize::MAX
             };
-            // Several queries of one position (GQA decode): a chunk per
-            // section the keys and the values share (a page, the sinks),
-            // so each section's kernels read and write their rows of
-            // scores in place instead of through a copy.
+            // Several queries of one position (GQA decode): chunks end
+            // where a section of the keys and one of the values both end
+            // (a page, the sinks), so a chunk that is one section of each
+            // has its kernels read and write their rows of scores in place
+            // instead of through a copy.
             let cuts = if n == 1 && rows > 1 {
                 self.common_ends(h, a, b)
             } else {

@@ -203,8 +203,8 @@ pub(crate) fn byte_prefix<S: Simd>(s: S, bytes: S::I, f: usize) -> S::F {
 /// Field `f` of `B`-bit fields (`B` 2 or 4) of widened bytes at `2^{B·f}`
 /// times its value, exactly: 2-bit fields masked in place, the 4-bit high
 /// nibble as the byte less its low one (measured faster than its mask; the
-/// low nibble's lookup is the one field 0 made). The weighted sum's code
-/// vectors, and the scores' 2-bit ones.
+/// low nibble's lookup is the one field 0 made, where both are read in
+/// one pass). The weighted sum's code vectors, and the scores' 2-bit ones.
 #[inline(always)]
 pub(crate) fn byte_field<S: Simd, const B: u8>(s: S, bytes: S::I, f: usize) -> S::F {
     match (B, f) {

@@ -479,18 +479,22 @@ fn byte_block<S: Simd, const B: u8, const NQ: usize>(g: Geo) -> usize {
 
 /// Fields of a code byte that [`fused_sum_pt`]'s byte-vector path takes
 /// per pass over a tile: all of them, unless more than four queries'
-/// accumulators for every field would overflow half the register file
-/// (2-bit rows with eight queries on AVX-512: two passes of two fields,
-/// each widening the bytes again, rather than the tile kernels).
+/// accumulators for every field would overflow half the register file;
+/// then the most that fit and divide the fields (2-bit rows with eight
+/// queries on AVX-512: two passes of two fields; 4-bit rows with five to
+/// eight on AVX2: two of one), each pass widening the bytes again,
+/// rather than the tile kernels.
 const fn pass_fields<S: Simd, const B: u8, const NQ: usize>() -> usize {
     let nf = fields::<B>();
     if NQ <= 4 || NQ * nf <= S::REGS / 2 {
-        nf
-    } else if S::REGS / 2 / NQ == 0 {
-        1
-    } else {
-        S::REGS / 2 / NQ
+        return nf;
     }
+    // `nf` is a power of two: halve it until a pass fits (at least one).
+    let mut p = nf;
+    while p > 1 && NQ * p > S::REGS / 2 {
+        p /= 2;
+    }
+    p
 }
 
 /// Passes over a tile of [`fused_sum_pt`]'s byte-vector path.
@@ -623,7 +627,8 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
     let jb = (S::REGS / 2 / NQ).max(1);
     // 2- and 4-bit rows read a byte vector at a time: byte vector `jj`
     // gives the `F = 8/B` vectors `jj + f·h` (its fields), so a block is
-    // `bb` byte vectors and `F·bb` accumulators per query. Field `f` is
+    // `bb` byte vectors and `P·bb` accumulators per query for the `P`
+    // fields of a pass ([`pass_fields`]). Field `f` is
     // read as `2^{B·f}` times its value (`byte_field`); it accumulates at
     // that scale and is scaled back at the end. That costs up to 6 bits of
     // exponent headroom: only with f16 scales (at most 65504), where it
@@ -776,67 +781,68 @@ pub(crate) unsafe fn fused_sum_pt<S: Simd, const B: u8, const NQ: usize>(
                 None => (codes.add(t0 * g.rb), g.rb),
             };
             if const { matches!(B, 2 | 4) } {
-                // `fp` fields per pass (all but for eight 2-bit queries);
+                // `fp` fields per pass (all of them but where more
+                // queries' accumulators would not fit, `pass_fields`);
                 // pass `pi` takes fields `pi·fp ..`, in slots `ff·fs + k`.
                 let fp = const { pass_fields::<S, B, NQ>() };
                 let mut jj0 = 0;
                 while jj0 < h {
                     unroll!(2 max passes_unrolled::<S, B, NQ>(); pi in 0, nf / fp => {
-                    let mut a = [[s.zero(); 16]; NQ];
-                    unroll!(8 max NQ; i in 0, NQ => {
-                        unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
-                            let f = pi * fp + ff;
-                            unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
-                                let o = i * hdp + (jj0 + k + f * h) * S::L;
-                                a[i][ff * fs + k] = s.load(acc.as_ptr().add(o));
-                            });
-                        });
-                    });
-                    for tt in 0..n {
-                        if jj0 == 0 && pi == 0 {
-                            ah[0].token(tt);
-                            ah[1].token(tt);
-                        }
-                        let row = tile.add(tt * rb + jj0 * S::L);
-                        let w = wt.add(tt * ne + jj0);
-                        let zr = zt.add(tt * ne + jj0);
-                        let mut pb = [s.zero(); NQ];
-                        if fold {
-                            unroll!(8 max NQ; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
-                        }
-                        // One widening per byte vector and pass; field `f`
-                        // (vector `jj + f·h`) exact and `2^{B·f}` times
-                        // the field.
-                        unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
-                            let bytes = s.load_u8(row.add(k * S::L));
-                            let mut x = [s.zero(); 4];
-                            unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
-                                x[ff] = byte_field::<S, B>(s, bytes, pi * fp + ff);
-                            });
+                        let mut a = [[s.zero(); 16]; NQ];
+                        unroll!(8 max NQ; i in 0, NQ => {
                             unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
                                 let f = pi * fp + ff;
-                                let wf = s.bcast(w.add(f * h + k));
-                                if fold {
-                                    let zf = s.bcast(zr.add(f * h + k));
-                                    let xf = s.fma(x[ff], wf, zf);
-                                    unroll!(8 max NQ; i in 0, NQ => {
-                                        a[i][ff * fs + k] = s.fma(xf, pb[i], a[i][ff * fs + k]);
-                                    });
-                                } else {
-                                    a[0][ff * fs + k] = s.fma(x[ff], wf, a[0][ff * fs + k]);
-                                }
+                                unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
+                                    let o = i * hdp + (jj0 + k + f * h) * S::L;
+                                    a[i][ff * fs + k] = s.load(acc.as_ptr().add(o));
+                                });
                             });
                         });
-                    }
-                    unroll!(8 max NQ; i in 0, NQ => {
-                        unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
-                            let f = pi * fp + ff;
+                        for tt in 0..n {
+                            if jj0 == 0 && pi == 0 {
+                                ah[0].token(tt);
+                                ah[1].token(tt);
+                            }
+                            let row = tile.add(tt * rb + jj0 * S::L);
+                            let w = wt.add(tt * ne + jj0);
+                            let zr = zt.add(tt * ne + jj0);
+                            let mut pb = [s.zero(); NQ];
+                            if fold {
+                                unroll!(8 max NQ; i in 0, NQ => { pb[i] = s.bcast(pq[i].add(tt)); });
+                            }
+                            // One widening per byte vector and pass; field `f`
+                            // (vector `jj + f·h`) exact and `2^{B·f}` times
+                            // the field.
                             unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
-                                let o = i * hdp + (jj0 + k + f * h) * S::L;
-                                s.store(acc.as_mut_ptr().add(o), a[i][ff * fs + k]);
+                                let bytes = s.load_u8(row.add(k * S::L));
+                                let mut x = [s.zero(); 4];
+                                unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
+                                    x[ff] = byte_field::<S, B>(s, bytes, pi * fp + ff);
+                                });
+                                unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
+                                    let f = pi * fp + ff;
+                                    let wf = s.bcast(w.add(f * h + k));
+                                    if fold {
+                                        let zf = s.bcast(zr.add(f * h + k));
+                                        let xf = s.fma(x[ff], wf, zf);
+                                        unroll!(8 max NQ; i in 0, NQ => {
+                                            a[i][ff * fs + k] = s.fma(xf, pb[i], a[i][ff * fs + k]);
+                                        });
+                                    } else {
+                                        a[0][ff * fs + k] = s.fma(x[ff], wf, a[0][ff * fs + k]);
+                                    }
+                                });
+                            });
+                        }
+                        unroll!(8 max NQ; i in 0, NQ => {
+                            unroll!(4 max pass_fields::<S, B, NQ>(); ff in 0, fp => {
+                                let f = pi * fp + ff;
+                                unroll!(8 max byte_block_max::<S, B, NQ>(); k in 0, bb => {
+                                    let o = i * hdp + (jj0 + k + f * h) * S::L;
+                                    s.store(acc.as_mut_ptr().add(o), a[i][ff * fs + k]);
+                                });
                             });
                         });
-                    });
                     });
                     jj0 += bb;
                 }
