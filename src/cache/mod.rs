@@ -1294,12 +1294,12 @@ impl LayerCache {
             } else {
                 Vec::new()
             };
-            let mut cut = cuts.iter().copied();
+            let mut cuts = cuts.into_iter();
             let mut c0 = a;
             while c0 < b {
                 let e = c0.saturating_add(span);
-                let c1 = if let Some(e) = cut.next() {
-                    e
+                let c1 = if let Some(end) = cuts.next() {
+                    end
                 } else if e >= b {
                     b
                 } else if e > sinks {

@@ -557,11 +557,11 @@ fn byte_vectors<S: Simd, const B: u8, const NQ: usize>(g: Geo, fmt: ScaleFormat)
         && bb * nf <= 16
         && bb <= 8
         // Five to eight queries: only where a pass's accumulators fit
-        // half the register file, in at most two passes.
+        // half the register file, in at most two passes (a pass's fields
+        // divide the byte's: `pass_fields` halves them).
         && (NQ <= 4
             || (NQ * pass_fields::<S, B, NQ>() * bb <= S::REGS / 2
-                && passes::<S, B, NQ>() <= 2
-                && nf.is_multiple_of(pass_fields::<S, B, NQ>())))
+                && passes::<S, B, NQ>() <= 2))
         && fmt == ScaleFormat::F16
 }
 
