@@ -112,7 +112,7 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
     let pc = |b, g| Codec::from(QuantScheme::new(b, Axis::PerChannel, Group::Size(g)).unwrap());
     let r = ropes(hd);
     // Per-channel 2, 4 and 8 bits at head_dim 128 with a rotation of
-    // every channel take the fused kernel (2 bits on AVX-512 only);
+    // every channel take the fused kernel;
     // partial rotary, other widths, per-token keys and codebooks go
     // through the scratch kernel or the chunked decode-and-rotate path.
     let keys = [
@@ -136,6 +136,12 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
         (pc(2, 32).with_outliers(0.01).unwrap(), r[1]),
         (pc(4, 32).with_outliers(0.02).unwrap(), r[2]),
         (pc(3, 64).with_outliers(0.01).unwrap(), r[0]),
+        // 2 bits with pairs of halves: one query reads each row's bytes
+        // once per byte vector, its fields in place; four queries unpack
+        // every code vector.
+        (pc(2, 32), r[0]),
+        (pc(2, 64), r[0]),
+        (pc(2, 128).with_outliers(0.01).unwrap(), r[4]),
     ];
     for backend in backends() {
         for (ki, (key, rope)) in keys.into_iter().enumerate() {
