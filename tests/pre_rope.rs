@@ -136,9 +136,9 @@ fn quantized_pre_rope_keys_attend_as_their_rotated_decode() {
         (pc(2, 32).with_outliers(0.01).unwrap(), r[1]),
         (pc(4, 32).with_outliers(0.02).unwrap(), r[2]),
         (pc(3, 64).with_outliers(0.01).unwrap(), r[0]),
-        // 2 bits with pairs of halves: one query reads each row's bytes
-        // once per byte vector, its fields in place; four queries unpack
-        // every code vector.
+        // 2 bits with pairs of halves: one query per KV head folds the
+        // block's scales and zeros into the turned-back query; four
+        // queries dequantize and turn each row.
         (pc(2, 32), r[0]),
         (pc(2, 64), r[0]),
         (pc(2, 128).with_outliers(0.01).unwrap(), r[4]),
