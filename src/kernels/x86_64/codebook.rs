@@ -56,6 +56,9 @@ pub(crate) fn check(head: &PackedHead<'_>, x: usize, out: usize, sum: bool) {
 /// table; 8 for fp8, `fp8` its shift and factor). The lookup reads the
 /// index's low four bits only, so a 4-bit field needs no mask, nor a
 /// 2-bit one with the table repeated every four entries ([`table_for`]).
+/// 2- and 3-bit tables repeat every eight entries, so their lookups take
+/// [`Simd::lut8`]: one permute where AVX2's 16 entries take two and a
+/// blend.
 ///
 /// # Safety
 /// `row` valid for `hd·B/8` bytes, every plane whole vectors or a 3-bit
@@ -89,7 +92,7 @@ unsafe fn book_vec<S: Simd, const B: u8>(
             2 => {
                 let m = hd / 4;
                 let v = s.load_u8(row.add(e % m));
-                s.lut16(tbl, s.shr_mask(v, 2 * (e / m) as i32, u32::MAX))
+                s.lut8(tbl, s.shr_mask(v, 2 * (e / m) as i32, u32::MAX))
             }
             _ => {
                 // Two planes: bits 0–1 in `m2` bytes, then bit 2 in `m1`
@@ -107,7 +110,7 @@ unsafe fn book_vec<S: Simd, const B: u8>(
                     let k = (e / m1) as u32;
                     s.shr_pair_mask(hi, k, k + 1, 1, 2)
                 };
-                s.lut16(tbl, s.or(lo, hi))
+                s.lut8(tbl, s.or(lo, hi))
             }
         }
     }
@@ -116,7 +119,7 @@ unsafe fn book_vec<S: Simd, const B: u8>(
 /// The 16-entry table the kernels look codes of `bits` up in: 2-bit
 /// levels repeated every four entries ([`book_vec`], [`paired_codes`])
 /// and 3-bit ones every eight ([`paired_codes`]), so a field shifted down
-/// needs no mask; others as stored.
+/// needs no mask and both look up with [`Simd::lut8`]; others as stored.
 #[inline(always)]
 fn table_for(book: Book<'_>, bits: u8) -> [f32; 16] {
     let mut t = *book.table;
@@ -387,14 +390,15 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
                 Some(t3) => (t3.load(s, codes.add(t0 * rb), rb, n), HD),
                 None => (codes.add(t0 * rb), rb),
             };
+            // Vector `$j` of the row looked up in table `$t`.
             macro_rules! vec_at {
-                ($row:expr, $ix:expr, $j:expr) => {
+                ($t:expr, $row:expr, $ix:expr, $j:expr) => {
                     if PAIR {
-                        s.lut16(tbl, $ix[$j % 8])
+                        s.lut16($t, $ix[$j % 8])
                     } else if BYTES {
-                        s.lut16(tbl, s.load_u8($row.add($j * S::L)))
+                        s.lut8($t, s.load_u8($row.add($j * S::L)))
                     } else {
-                        book_vec::<S, B>(s, tbl, fp8, $row, HD, $j)
+                        book_vec::<S, B>(s, $t, fp8, $row, HD, $j)
                     }
                 };
             }
@@ -409,25 +413,27 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
                 };
                 if sum {
                     unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
-                        let v = vec_at!(row, ix, j);
+                        let v = vec_at!(tbl, row, ix, j);
                         r[j] = s.fma(v, s.bcast(c.add((j * S::L) >> gshift)), r[j]);
                     });
-                } else if PAIR {
-                    // The table scaled per group (32, 64 or 128 channels:
-                    // a constant shift, so the group's vectors share one
-                    // product) rather than every looked-up vector: the
-                    // same products, so the same bits.
+                } else if B != 8 && (PAIR || (3..=7).contains(&gshift)) {
+                    // The table scaled per group (a constant shift, so
+                    // the group's vectors share one product) rather than
+                    // every looked-up vector: the same products, so the
+                    // same bits. (fp8 has no table.)
                     macro_rules! scores {
                         ($gs:literal) => {{
                             let mut a = s.zero();
                             unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
                                 let tg = s.scale16(tbl, s.bcast(c.add((j * S::L) >> $gs)));
-                                a = s.fma(s.lut16(tg, ix[j % 8]), r[j], a);
+                                a = s.fma(vec_at!(tg, row, ix, j), r[j], a);
                             });
                             s.store(acc.add(tt * S::L), a);
                         }};
                     }
                     match gshift {
+                        3 => scores!(3),
+                        4 => scores!(4),
                         5 => scores!(5),
                         6 => scores!(6),
                         _ => scores!(7),
@@ -435,7 +441,7 @@ unsafe fn one_query<S: Simd, const B: u8, const HD: usize, const BYTES: bool, co
                 } else {
                     let mut a = s.zero();
                     unroll!(32 max row_vectors::<S, HD>(); j in 0, nch => {
-                        let v = vec_at!(row, ix, j);
+                        let v = vec_at!(tbl, row, ix, j);
                         let v = s.mul(v, s.bcast(c.add((j * S::L) >> gshift)));
                         a = s.fma(v, r[j], a);
                     });

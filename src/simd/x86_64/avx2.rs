@@ -197,6 +197,12 @@ unsafe impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    fn lut8(self, t: (__m256, __m256), idx: __m256i) -> __m256 {
+        // SAFETY: AVX2. `vpermps` reads the low 3 bits of each index; the
+        // upper eight entries equal the lower (the caller's table).
+        unsafe { _mm256_permutevar8x32_ps(t.0, idx) }
+    }
+    #[inline(always)]
     fn scale16(self, t: (__m256, __m256), c: __m256) -> (__m256, __m256) {
         (self.mul(t.0, c), self.mul(t.1, c))
     }

@@ -205,6 +205,12 @@ unsafe impl Simd for Avx512 {
         unsafe { _mm512_permutexvar_ps(idx, t) }
     }
     #[inline(always)]
+    fn lut8(self, t: __m512, idx: __m512i) -> __m512 {
+        // Bit 3 of an index picks the table's upper eight entries, the
+        // same as its lower eight.
+        self.lut16(t, idx)
+    }
+    #[inline(always)]
     fn scale16(self, t: __m512, c: __m512) -> __m512 {
         self.mul(t, c)
     }

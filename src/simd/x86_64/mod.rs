@@ -174,6 +174,10 @@ pub(crate) unsafe trait Simd: Copy {
     /// Lane `l` of the result is `t[idx[l]]` (`idx[l] < 16`): a codebook
     /// lookup, one permute on AVX-512, two and a blend on AVX2.
     fn lut16(self, t: Self::T16, idx: Self::I) -> Self::F;
+    /// [`lut16`](Self::lut16) of a table whose entries repeat every eight
+    /// (`t[i] = t[i mod 8]`, as the 2- and 3-bit codebook tables are
+    /// stored): any index, one permute on either ISA.
+    fn lut8(self, t: Self::T16, idx: Self::I) -> Self::F;
     /// Every entry of `t` times `c` (the same in every lane).
     fn scale16(self, t: Self::T16, c: Self::F) -> Self::T16;
     /// `(v >> s) & mask` for `s ≥ 0`, `(v << -s) & mask` for `s < 0`.
