@@ -242,6 +242,46 @@ unsafe fn decode_codes<S: Simd, const B: u8, const SCALED: bool>(
     (sc, gshift): (*const f32, u32),
     (dst, stride): (*mut f32, usize),
 ) {
+    // 2- and 4-bit rows a field of the plane at a time, so each field's
+    // shift is a constant: `book_vec` at a run-time head dim shifts by a
+    // run-time amount, a register move and a slower shift per vector.
+    // The same lookups and products.
+    if B == 2 || B == 4 {
+        // Bytes of the plane, each holding one element of every field.
+        let m = hd * B as usize / 8;
+        macro_rules! field {
+            ($f:literal) => {
+                if $f * B < 8 {
+                    for jb in (0..m).step_by(S::L) {
+                        let e = $f * m + jb;
+                        // SAFETY: the caller's contract: the plane's `m`
+                        // bytes are whole vectors ([`takes`]), element `e <
+                        // hd` is vector `e/L` of `dst`, its group `e >>
+                        // gshift` of the row.
+                        unsafe {
+                            let ix = s.shr_mask(s.load_u8(row.add(jb)), (B * $f) as i32, u32::MAX);
+                            let v = if B == 2 {
+                                s.lut8(tbl, ix)
+                            } else {
+                                s.lut16(tbl, ix)
+                            };
+                            let v = if SCALED {
+                                s.mul(v, s.bcast(sc.add(e >> gshift)))
+                            } else {
+                                v
+                            };
+                            s.store(dst.add(e / S::L * stride), v)
+                        }
+                    }
+                }
+            };
+        }
+        field!(0);
+        field!(1);
+        field!(2);
+        field!(3);
+        return;
+    }
     for j in 0..hd / S::L {
         // SAFETY: the caller's contract; `j < hd/L`, group `j·L >> gshift`
         // of the row.
@@ -518,6 +558,44 @@ unsafe fn decode_tile<S: Simd, const B: u8, const SCALED: bool, const PAIR: bool
     }
 }
 
+/// [`decode_tile`] of 3-bit rows in groups of whole vectors, the tile's
+/// rows first transcoded to a code byte each ([`Tile3`], 64 codes per
+/// register operation): a vector is then one widening load and one
+/// lookup where the two planes take two loads, two shifts, two masks and
+/// a merge. The same levels times the same scales, so the same bits.
+///
+/// # Safety
+/// As [`decode_tile`] with `SCALED`; `t3` made for rows of `hd` codes.
+#[inline(always)]
+unsafe fn decode_tile3<S: Simd>(
+    s: S,
+    tbl: S::T16,
+    t3: &mut Tile3<S>,
+    (rows, rb, n, ah): (*const u8, usize, usize, [Ahead; 2]),
+    (sc, gpr, gshift): (*const f32, usize, u32),
+    hd: usize,
+    scr: *mut f32,
+) {
+    let stride = S::T * S::L;
+    // SAFETY: the caller's contract: `n ≤ T` rows of `rb ≥ 3·hd/8` bytes.
+    let bytes = unsafe { t3.load(s, rows, rb, n) };
+    for tt in 0..n {
+        ah[0].token(tt);
+        ah[1].token(tt);
+        // SAFETY: transcoded row `tt < n` holds `hd` bytes, its `gpr`
+        // scales are in bounds (the caller's contract); scratch row `tt <
+        // T` starts at `tt·L`, vector `j < hd/L`.
+        unsafe {
+            let (row, sc, dst) = (bytes.add(tt * hd), sc.add(tt * gpr), scr.add(tt * S::L));
+            for j in 0..hd / S::L {
+                let c = s.bcast(sc.add((j * S::L) >> gshift));
+                let v = s.lut8(tbl, s.load_u8(row.add(j * S::L)));
+                s.store(dst.add(j * stride), s.mul(v, c));
+            }
+        }
+    }
+}
+
 /// Scores (`sum` false: `out[i·T + t] = x_i·k̂_t`) or the weighted sum
 /// (`out_i += Σ_t x[i·T + t]·v̂_t`) of one codebook head, a tile of `T`
 /// tokens at a time.
@@ -616,6 +694,13 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
     let scr = scr.m().as_mut_ptr();
     let stride = S::T * S::L;
     let mut scales = vec![0f32; S::T * gpr];
+    // 3-bit rows in whole-vector groups: transcoded a tile at a time where
+    // the ISA can ([`decode_tile3`]).
+    let mut t3 = if bits == 3 && scaled && !pair && !book.fp8 {
+        Tile3::new::<3>(s, hd)
+    } else {
+        None
+    };
     let mut t0 = 0;
     while t0 < tokens {
         let n = S::T.min(tokens - t0);
@@ -644,7 +729,10 @@ pub(crate) unsafe fn run<S: Simd, const HD: usize>(
                     }
                 };
             }
-            go!(2, 3, 4, 8)
+            match &mut t3 {
+                Some(t3) => decode_tile3(s, tbl, t3, tile, (sc.0, gpr, gshift), hd, scr),
+                None => go!(2, 3, 4, 8),
+            }
         }
         for tt in n..S::T {
             for j in 0..nch {
