@@ -923,7 +923,7 @@ fn every_backend_gives_the_same_attention() {
     let mut base: Option<Vec<f32>> = None;
     for &bk in kvq::Backend::ALL {
         if !bk.is_available() {
-            common::skip(&format!("backend {}: not supported by this CPU", bk.name()));
+            common::skip_cpu(&format!("backend {}: not supported by this CPU", bk.name()));
             continue;
         }
         let cfg = CacheConfig::new(n_kv, hd)
@@ -997,7 +997,7 @@ fn every_backend_gives_the_same_causal_block_attention() {
         let mut base: Option<Vec<f32>> = None;
         for &bk in kvq::Backend::ALL {
             if !bk.is_available() {
-                common::skip(&format!("backend {}: not supported by this CPU", bk.name()));
+                common::skip_cpu(&format!("backend {}: not supported by this CPU", bk.name()));
                 continue;
             }
             let mut c =
@@ -1059,6 +1059,6 @@ fn int8_kernels_are_opt_in_and_close_to_exact() {
     if bk == kvq::Backend::Avx512 && std::arch::is_x86_feature_detected!("avx512vnni") {
         assert_ne!(int8, exact, "the int8 kernels did not run");
     } else {
-        common::skip("the int8 comparison: no AVX-512 VNNI here");
+        common::skip_cpu("the int8 comparison: no AVX-512 VNNI here");
     }
 }

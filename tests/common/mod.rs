@@ -69,30 +69,43 @@ impl Rng {
     }
 }
 
-/// The environment variable that turns every skip into a failure. CI
-/// (`.ci/run`) sets it: its machines have every backend, AVX-512 VNNI and
-/// the fetched assets, so a check that cannot run there is a defect, not
-/// a skip.
+/// The environment variable that turns skips into failures. `1`: every
+/// skip fails, as `.ci/run` sets it on a CPU with AVX-512 VNNI, where
+/// every backend and the fetched assets are present, so a check that
+/// cannot run is a defect. `assets`: a skip for want of an asset fails,
+/// one for want of a CPU feature ([`skip_cpu`]) stays a skip, as `.ci/run`
+/// sets it on a CPU without AVX-512 VNNI.
 pub const REQUIRE_ALL: &str = "KVQ_REQUIRE_ALL";
 
-/// Skip a check that cannot run here: a failure when [`REQUIRE_ALL`] is
-/// `1`, otherwise a line on stderr (`cargo test -- --nocapture` shows it).
+/// Skip a check that cannot run here for want of a file or another input:
+/// a failure when [`REQUIRE_ALL`] is `1` or `assets`, otherwise a line on
+/// stderr (`cargo test -- --nocapture` shows it).
 pub fn skip(what: &str) {
+    let v = std::env::var(REQUIRE_ALL).unwrap_or_default();
+    if v == "1" || v == "assets" {
+        panic!("{REQUIRE_ALL}={v} but this check cannot run: {what}");
+    }
+    eprintln!("SKIPPED: {what}");
+}
+
+/// Skip a check this CPU cannot run (a backend, an instruction set): a
+/// failure when [`REQUIRE_ALL`] is `1`, otherwise a line on stderr.
+pub fn skip_cpu(what: &str) {
     if std::env::var(REQUIRE_ALL).is_ok_and(|v| v == "1") {
-        panic!("{REQUIRE_ALL}=1 but this check cannot run: {what}");
+        panic!("{REQUIRE_ALL}=1 but this CPU cannot run this check: {what}");
     }
     eprintln!("SKIPPED: {what}");
 }
 
 /// Every backend this CPU runs, in `Backend::ALL` order; each one it
-/// lacks is a [`skip`].
+/// lacks is a [`skip_cpu`].
 pub fn backends() -> Vec<Backend> {
     let available = Backend::available();
     assert!(available.contains(&Backend::Portable));
     assert!(available.contains(&Backend::detect()));
     for &b in Backend::ALL {
         if !available.contains(&b) {
-            skip(&format!(
+            skip_cpu(&format!(
                 "backend {}: this CPU does not support it",
                 b.name()
             ));
